@@ -1,0 +1,78 @@
+"""Which modules of a vision-language model are its language model, vision tower and aligner.
+
+One entry per `config.model_type`. Prefixes are parameter-name prefixes of the model as
+`AutoModelForImageTextToText` builds it in transformers 5. Where the aligner sits inside the vision
+tower (Qwen2-VL's merger), the aligner wins: a parameter belongs to the longest matching prefix.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.nn as nn
+
+from raylora.config import ConfigError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    language_model: str
+    vision_tower: str
+    aligner: str
+
+    def part_of(self, name: str) -> str | None:
+        """`language_model`, `vision_tower`, `aligner` or None (e.g. lm_head) for a base parameter name."""
+        best, best_len = None, -1
+        for part in ("language_model", "vision_tower", "aligner"):
+            prefix = getattr(self, part) + "."
+            if name.startswith(prefix) and len(prefix) > best_len:
+                best, best_len = part, len(prefix)
+        return best
+
+
+REGISTRY: dict[str, Architecture] = {
+    a.model_type: a
+    for a in [
+        Architecture("llava", "model.language_model", "model.vision_tower", "model.multi_modal_projector"),
+        Architecture("qwen2_vl", "model.language_model", "model.visual", "model.visual.merger"),
+    ]
+}
+
+
+def detect(model_path: str | Path, arch: str | None = None) -> Architecture:
+    """The registry entry named by `arch`, or by the folder's config.json `model_type`."""
+    if arch is None:
+        config_file = Path(model_path) / "config.json"
+        try:
+            arch = json.loads(config_file.read_text())["model_type"]
+        except (OSError, ValueError, KeyError) as err:
+            raise ConfigError(f"model.path: cannot read model_type from {config_file}: {err}") from err
+    if arch not in REGISTRY:
+        raise ConfigError(f"model.arch: unsupported architecture {arch!r} (supported: {', '.join(sorted(REGISTRY))})")
+    return REGISTRY[arch]
+
+
+def lora_target_regex(model: nn.Module, arch: Architecture, names: list[str] | None) -> str:
+    """A PEFT `target_modules` regex: the named (default: every) linear layer of the language model only."""
+    prefix = arch.language_model + "."
+    leaves = sorted(
+        {
+            n.rsplit(".", 1)[-1]
+            for n, m in model.named_modules()
+            if n.startswith(prefix) and isinstance(m, nn.Linear)
+        }
+    )
+    if names:
+        unknown = sorted(set(names) - set(leaves))
+        if unknown:
+            raise ConfigError(
+                f"lora.target_modules: {', '.join(unknown)} not linear layers of the language model "
+                f"(found: {', '.join(leaves)})"
+            )
+        leaves = sorted(set(names))
+    if not leaves:
+        raise ConfigError(f"no linear layers found under {arch.language_model}")
+    return rf"^{prefix.replace('.', chr(92) + '.')}(.*\.)?({'|'.join(leaves)})$"

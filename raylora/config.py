@@ -1,0 +1,270 @@
+"""Typed run configuration: YAML plus dotted `key=value` overrides, validated before Ray starts.
+
+Every default lives here, one docstring per field. The same `Config` object crosses from the driver
+to the workers, so a worker never reads a loose dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad configuration or input, found before any expensive work starts (the CLI exits with 2)."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""
+    """Local Hugging Face model folder (config.json, safetensors weights, tokenizer, processor)."""
+    arch: str | None = None
+    """Architecture name from the registry (`raylora.arch`); detected from config.json's model_type if unset."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    """LoRA rank."""
+    alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by alpha / r)."""
+    dropout: float = 0.05
+    """Dropout on the LoRA input."""
+    target_modules: list[str] | None = None
+    """Names of linear layers in the language model to adapt (e.g. [q_proj, v_proj]); unset: every one."""
+
+
+@dataclass
+class DataConfig:
+    train: str = ""
+    """Training Parquet file (a path or any pyarrow filesystem URI) with columns image, prompt, answer."""
+    eval: str | None = None
+    """Held-out Parquet file with the same columns, for evaluation."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100
+    """Optimizer steps to train for."""
+    global_batch_size: int = 16
+    """Samples per optimizer step over all workers; independent of the number of workers."""
+    micro_batch_size: int = 4
+    """Samples per forward pass on one worker; gradient accumulation makes up the global batch."""
+    lr: float = 2e-4
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 10
+    """Linear warmup steps before the cosine decay."""
+    grad_clip: float = 1.0
+    """Gradient norm clipping; 0 turns it off."""
+    seed: int = 0
+    """Seed for the LoRA initialisation, the sample order and dropout."""
+    checkpoint_every: int = 50
+    """Report a Ray checkpoint every this many steps (and at the last step)."""
+    freeze_vision: bool = True
+    """Keep the vision tower frozen; false trains it fully."""
+    freeze_aligner: bool = True
+    """Keep the aligner (projector) frozen; false trains it fully."""
+    param_persistence_threshold: int = 100_000
+    """ZeRO-3 keeps parameters smaller than this gathered (DeepSpeed's stage3_param_persistence_threshold)."""
+
+
+@dataclass
+class ScalingConfig:
+    num_workers: int = 2
+    """Ray Train workers, one per GPU (or CPU slot)."""
+    use_gpu: bool = False
+    """One GPU per worker, NCCL and bf16; false: CPU, gloo and fp32."""
+    cpus_per_worker: float = 1.0
+    """CPUs Ray reserves for each worker."""
+
+
+@dataclass
+class RunConfig:
+    storage_path: str = "runs"
+    """Where Ray keeps the run's checkpoints and state: a shared folder or a pyarrow URI (s3://, gs://)."""
+    name: str = "raylora"
+    """Run name; starting a run with an existing name resumes it from its latest checkpoint."""
+    max_failures: int = 3
+    """Worker-group failures Ray recovers from before the run fails."""
+    num_to_keep: int = 2
+    """Checkpoints kept in storage (the newest ones)."""
+
+
+@dataclass
+class FaultConfig:
+    kill_at_step: int | None = None
+    """Fault drill: one worker kills its own process before this step, in an attempt that began from scratch."""
+    kill_rank: int = 1
+    """Fault drill: the rank that kills itself."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The base vision-language model."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """The LoRA adapter on the language model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training and evaluation data."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation, schedule, checkpoints and what is trained."""
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    """Workers and devices."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Storage, naming and fault tolerance."""
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """Fault drills for demos and tests."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def world_size(self) -> int:
+        return self.scaling.num_workers
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.scaling.num_workers)
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`, converting only where YAML is ambiguous."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError as err:
+                errors.append(err)
+        raise errors[0]
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):  # `key=a,b` on the command line
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-4` as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"unsupported config annotation {tp!r} for {key}")
+    raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"unknown config key {prefix}{key!s} (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _convert(value, tp, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Build a `Config` from nested plain data; unknown keys and wrong types raise `ConfigError`."""
+    return _build(Config, data or {}, "")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=value` overrides (values parsed as YAML) to nested plain data."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value (for example train.lr=1e-4)")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key}: {part} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+    return data
+
+
+def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML file (or nothing), apply overrides, type-check and validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from err
+    cfg = from_dict(apply_overrides(data, list(overrides or [])))
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no model and no Ray: values in range and consistent with each other."""
+    t, s = cfg.train, cfg.scaling
+    positive = {
+        "lora.r": cfg.lora.r,
+        "train.max_steps": t.max_steps,
+        "train.global_batch_size": t.global_batch_size,
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.checkpoint_every": t.checkpoint_every,
+        "scaling.num_workers": s.num_workers,
+        "run.num_to_keep": cfg.run.num_to_keep,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    if not 0.0 <= cfg.lora.dropout < 1.0:
+        raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr must be positive, got {t.lr}")
+    if t.warmup_steps < 0 or cfg.run.max_failures < 0:
+        raise ConfigError("train.warmup_steps and run.max_failures must not be negative")
+    per_step = t.micro_batch_size * s.num_workers
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+            f"train.micro_batch_size x scaling.num_workers ({t.micro_batch_size} x {s.num_workers} = {per_step})"
+        )
+    if not cfg.model.path:
+        raise ConfigError("model.path is required: a local Hugging Face model folder")
+    if not cfg.data.train:
+        raise ConfigError("data.train is required: a Parquet file with columns image, prompt, answer")
+    if not cfg.run.name or "/" in cfg.run.name:
+        raise ConfigError(f"run.name must be a non-empty name without '/', got {cfg.run.name!r}")

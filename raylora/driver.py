@@ -1,0 +1,76 @@
+"""The driver: check everything cheap first, then hand the run to a Ray `TorchTrainer`."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import ray
+import ray.train
+from ray.train.torch import TorchTrainer
+
+from raylora.arch import Architecture, detect
+from raylora.config import Config, ConfigError
+from raylora.data import check_parquet
+from raylora.worker import train_loop_per_worker
+
+log = logging.getLogger("raylora")
+
+
+def preflight(cfg: Config) -> Architecture:
+    """Everything that can be checked before Ray starts: model folder, architecture, data files."""
+    model_dir = Path(cfg.model.path)
+    if not model_dir.is_dir():
+        raise ConfigError(f"model.path: model folder not found: {cfg.model.path}")
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model.path: {cfg.model.path} has no config.json (not a Hugging Face model folder)")
+    arch = detect(model_dir, cfg.model.arch)
+    num_rows = check_parquet(cfg.data.train, "data.train")
+    if num_rows < cfg.train.global_batch_size:
+        raise ConfigError(
+            f"data.train: {num_rows} rows, fewer than train.global_batch_size ({cfg.train.global_batch_size})"
+        )
+    if cfg.data.eval:
+        check_parquet(cfg.data.eval, "data.eval")
+    if cfg.fault.kill_at_step is not None and not 0 <= cfg.fault.kill_rank < cfg.scaling.num_workers:
+        raise ConfigError(f"fault.kill_rank {cfg.fault.kill_rank} is not a rank of {cfg.scaling.num_workers} workers")
+    return arch
+
+
+def storage_path(cfg: Config) -> str:
+    """Ray wants an absolute local path or a URI."""
+    path = cfg.run.storage_path
+    return path if "://" in path else os.path.abspath(path)
+
+
+def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
+    """A TorchTrainer whose run resumes from its latest checkpoint when one with this name exists."""
+    cfg.model.path = os.path.abspath(cfg.model.path)
+    for key in ("train", "eval"):
+        uri = getattr(cfg.data, key)
+        if uri and "://" not in uri:
+            setattr(cfg.data, key, os.path.abspath(uri))
+    return TorchTrainer(
+        lambda: train_loop_per_worker(cfg),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=cfg.scaling.num_workers,
+            use_gpu=cfg.scaling.use_gpu,
+            resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
+        ),
+        run_config=ray.train.RunConfig(
+            name=cfg.run.name,
+            storage_path=storage_path(cfg),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
+            callbacks=callbacks,
+        ),
+    )
+
+
+def run(cfg: Config, callbacks: list | None = None) -> ray.train.Result:
+    """Validate, connect to (or start) Ray, train. Uses the cluster in RAY_ADDRESS when set."""
+    preflight(cfg)
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"))
+    return make_trainer(cfg, callbacks).fit()

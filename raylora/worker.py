@@ -1,0 +1,204 @@
+"""The per-rank training function Ray Train runs: build, restore, loop, report.
+
+Restore order (TECH-NOTES: the engine builds its fp32 masters from the parameter values it sees at
+`deepspeed.initialize`, so a load after it would be overwritten by the next optimizer step):
+1. build the base model (ZeRO-3 partitioned) and LoRA;
+2. mark what is trained (PEFT froze the vision tower and aligner when it wrapped the model);
+3. check the checkpoint's trainable names and shapes against the model's, before touching anything;
+4. gathered partial load of the saved weights into the partitions;
+5. `deepspeed.initialize`, then the fp32 masters, Adam moments, scheduler, step and sampler position.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass
+
+import deepspeed
+import ray.train
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import get_cosine_schedule_with_warmup
+
+from raylora import checkpoint, zero
+from raylora.arch import detect
+from raylora.config import Config
+from raylora.data import IGNORE_INDEX, GlobalSampler, ImageTextData, answer_ids, make_batch
+from raylora.model import build_model, module_groups, set_trainable, shapes, trainable_parameters
+from raylora.processor import load_processor
+
+log = logging.getLogger("raylora")
+
+
+@dataclass
+class Setup:
+    """Everything one rank trains with."""
+
+    cfg: Config
+    engine: deepspeed.DeepSpeedEngine
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    params: dict[str, torch.nn.Parameter]
+    processor: object
+    data: ImageTextData
+    sampler: GlobalSampler
+    answer_tokens: list[int]
+    rank: int
+    world_size: int
+    step: int = 0
+    restarts: int = 0
+    resumed: bool = False
+
+
+def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
+    """Build the model and engine on this rank and, when given a checkpoint, restore it exactly."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    arch = detect(cfg.model.path, cfg.model.arch)
+    ds_config = zero.deepspeed_config(cfg)
+    model, zero3 = build_model(cfg, arch, ds_config)
+    set_trainable(model, arch, cfg)
+    params = trainable_parameters(model)
+    if restore_from is not None:
+        checkpoint.check_compatible(restore_from.state, shapes(params))
+        zero.gathered_load(module_groups(params, arch), restore_from.weights)
+
+    def schedule(optimizer):
+        return get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, cfg.train.max_steps)
+
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, model_parameters=list(params.values()), config=ds_config, lr_scheduler=schedule
+    )
+    del zero3  # transformers no longer needs to see the ZeRO-3 config once the engine exists
+
+    data = ImageTextData(cfg.data.train)
+    processor = load_processor(cfg.model.path)
+    s = Setup(
+        cfg=cfg,
+        engine=engine,
+        scheduler=scheduler,
+        params=params,
+        processor=processor,
+        data=data,
+        sampler=GlobalSampler(len(data), cfg.train.global_batch_size, cfg.train.seed),
+        answer_tokens=[len(answer_ids(processor, a)) for a in data.answers],
+        rank=rank,
+        world_size=world,
+    )
+    if restore_from is not None:
+        st = restore_from.state
+        zero.set_trainable_state(engine, params, restore_from.weights, restore_from.moments, st.step)
+        scheduler.load_state_dict(st.scheduler)
+        for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr  # load_state_dict restores the schedule but not the optimizer's current lr
+        s.step, s.restarts, s.resumed = st.step, st.restarts + 1, True
+    return s
+
+
+def train_step(s: Setup) -> dict[str, float]:
+    """One optimizer step over this rank's share of the global batch; returns metrics (same on every rank)."""
+    cfg, engine, step = s.cfg, s.engine, s.step
+    # Dropout noise from (seed, step, rank) alone, so a resumed run draws what the uninterrupted one drew.
+    torch.manual_seed(hash((cfg.train.seed, step, s.rank)) & 0x7FFF_FFFF_FFFF)
+    global_batch = s.sampler.global_batch(step)
+    global_tokens = sum(s.answer_tokens[i] for i in global_batch)
+    # The loss is a mean over the global batch's answer tokens. DeepSpeed divides by the accumulation
+    # steps and averages over ranks, so scale each micro batch's token sum to undo both: the gradient
+    # then does not depend on how the batch is split over workers.
+    scale = s.world_size * cfg.grad_accum_steps / global_tokens
+    device = engine.device
+    totals = torch.zeros(2, dtype=torch.float64)
+    start = time.perf_counter()
+    for micro in s.sampler.micro_batches(step, s.rank, s.world_size, cfg.train.micro_batch_size):
+        batch = make_batch(s.processor, [s.data.example(i) for i in micro])
+        batch = {k: v.to(device) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        logits = engine(**batch).logits.float()
+        token_loss = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            labels[:, 1:].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        engine.backward(token_loss * scale)
+        engine.step()
+        totals += torch.tensor([token_loss.item(), float(batch["attention_mask"].sum())], dtype=torch.float64)
+    dist.all_reduce(totals)
+    elapsed = time.perf_counter() - start
+    s.step += 1
+    return {
+        "step": s.step,
+        "loss": totals[0].item() / global_tokens,
+        "lr": s.scheduler.get_last_lr()[0],
+        "samples_per_s": cfg.train.global_batch_size / elapsed,
+        "tokens_per_s": totals[1].item() / elapsed,
+        "epoch": s.sampler.epoch(step),
+        "restarts": s.restarts,
+    }
+
+
+def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
+    """Gather the trainable state (every rank takes part) and write it on rank 0."""
+    gathered = zero.gather_trainable_state(s.engine, s.params)
+    if s.rank != 0:
+        return None
+    weights, moments = gathered
+    state = checkpoint.TrainState(
+        step=s.step,
+        epoch=s.sampler.epoch(s.step),
+        sampler={"seed": s.sampler.seed, "num_samples": s.sampler.num_samples,
+                 "global_batch_size": s.sampler.global_batch_size},  # fmt: skip
+        scheduler=s.scheduler.state_dict(),
+        world_size=s.world_size,
+        trainable=shapes(s.params),
+        config=s.cfg.to_dict(),
+        versions=checkpoint.versions(),
+        restarts=s.restarts,
+    )
+    folder = tempfile.mkdtemp(prefix=f"raylora-step{s.step}-")
+    checkpoint.save(folder, weights, moments, state, s.engine.module.peft_config["default"])
+    return ray.train.Checkpoint.from_directory(folder)
+
+
+def maybe_kill(s: Setup) -> None:
+    """Fault drill: the configured rank kills its own process, once per run (never after a resume)."""
+    f = s.cfg.fault
+    if f.kill_at_step is not None and s.step == f.kill_at_step and s.rank == f.kill_rank and not s.resumed:
+        log.warning("fault drill: rank %d kills itself before step %d", s.rank, s.step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_loop_per_worker(cfg: Config) -> list[dict]:
+    """Ray Train entry point. Returns this attempt's per-step metrics (from rank 0)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s raylora %(message)s")
+    restore_from = None
+    ckpt = ray.train.get_checkpoint()
+    if ckpt is not None:
+        with ckpt.as_directory() as folder:
+            restore_from = checkpoint.load(folder)
+    s = setup(cfg, restore_from)
+    if s.rank == 0 and s.resumed:
+        log.info("resumed from checkpoint at step %d (restart %d)", s.step, s.restarts)
+    history, started = [], time.perf_counter()
+    first_step = s.step
+    while s.step < cfg.train.max_steps:
+        maybe_kill(s)
+        metrics = train_step(s)
+        history.append(metrics)
+        done = s.step == cfg.train.max_steps
+        ckpt = save_checkpoint(s) if done or s.step % cfg.train.checkpoint_every == 0 else None
+        ray.train.report(metrics, checkpoint=ckpt)
+        if ckpt is not None:
+            shutil.rmtree(ckpt.path, ignore_errors=True)  # Ray has copied it to storage
+        if s.rank == 0 and (done or s.step % max(1, cfg.train.max_steps // 20) == 0):
+            rate = (s.step - first_step) / (time.perf_counter() - started)
+            log.info(
+                "step %d/%d loss %.4f lr %.2e %.1f samples/s %.0f tokens/s eta %.0fs",
+                s.step, cfg.train.max_steps, metrics["loss"], metrics["lr"], metrics["samples_per_s"],
+                metrics["tokens_per_s"], (cfg.train.max_steps - s.step) / max(rate, 1e-9),
+            )  # fmt: skip
+    return history

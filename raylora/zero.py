@@ -1,0 +1,173 @@
+"""Everything that touches DeepSpeed ZeRO-3 internals, in one place.
+
+ZeRO-3 keeps each trainable parameter's fp32 master and Adam moments as a slice of a flat partition
+per parameter group (`optimizer.fp32_partitioned_groups_flat[i]`), at the offsets in
+`optimizer.grad_position`. raylora reads and writes those directly:
+- saving gathers whole flat partitions, one collective per group, not one per parameter
+  (`safe_get_full_fp32_param` would be one all-gather per LoRA tensor: hundreds per save);
+- restoring writes each rank's slice from the full tensors every rank read from the checkpoint,
+  with no collective at all (`safe_set_full_fp32_param` cannot write a last partition that holds
+  padding).
+`tests/test_zero_internals.py` checks this module against DeepSpeed's public per-parameter API, so a
+DeepSpeed upgrade that moves these internals fails loudly there.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from raylora.config import Config
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def deepspeed_config(cfg: Config) -> dict:
+    """The ZeRO-3 DeepSpeed config for this run (bf16 on GPU, fp32 on CPU)."""
+    t = cfg.train
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": t.param_persistence_threshold,
+            "overlap_comm": False,
+            "contiguous_gradients": True,
+        },
+        # torch's AdamW: no fused_adam JIT build on CPU, and its state is plain tensors.
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": t.lr, "weight_decay": t.weight_decay, "betas": [0.9, 0.999], "eps": 1e-8,
+                       "torch_adam": True},
+        },  # fmt: skip
+        "bf16": {"enabled": cfg.scaling.use_gpu},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The unpartitioned shape (a ZeRO-3 partitioned parameter's own `.shape` is empty)."""
+    return tuple(param.ds_shape) if is_partitioned(param) else tuple(param.shape)
+
+
+def gathered_load(groups: dict[str, dict[str, torch.nn.Parameter]], values: dict[str, torch.Tensor]) -> None:
+    """Copy `values` into parameters before `deepspeed.initialize`, one gather per module group.
+
+    Partitioned parameters (the base model's, partitioned as `from_pretrained` loaded them) are
+    gathered per group, written on rank 0 and broadcast back into partitions on exit. Parameters
+    without a `ds_id` (LoRA tensors that PEFT added after loading) are skipped by GatheredParameters,
+    so every rank copies those itself.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    for params in groups.values():
+        wanted = {n: p for n, p in params.items() if n in values}
+        partitioned = [p for p in wanted.values() if is_partitioned(p)]
+        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0), torch.no_grad():
+            for name, param in wanted.items():
+                if not is_partitioned(param) or rank == 0:
+                    param.data.copy_(values[name].to(param.dtype).view(param.shape))
+
+
+def _zero_optimizer(engine):
+    return engine.optimizer
+
+
+def _slots(engine, params: dict[str, torch.nn.Parameter]) -> dict[str, tuple[int, int, int]]:
+    """name -> (flat group index, offset in the rank's flat partition, partition length)."""
+    opt = _zero_optimizer(engine)
+    return {n: tuple(opt.grad_position[opt.get_param_id(p)]) for n, p in params.items()}
+
+
+def ensure_optimizer_state(engine, step: int) -> None:
+    """Create the AdamW state that ZeRO-3 only builds lazily at the first step, so it can be written."""
+    opt = _zero_optimizer(engine)
+    for flat in opt.fp32_partitioned_groups_flat:
+        state = opt.optimizer.state[flat]
+        if not state:
+            state["step"] = torch.tensor(float(step))
+            for key in MOMENTS:
+                state[key] = torch.zeros_like(flat)
+        else:
+            state["step"] = torch.tensor(float(step))
+
+
+def gather_trainable_state(
+    engine, params: dict[str, torch.nn.Parameter]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+    """Full fp32 masters and Adam moments of `params`, on rank 0 (None elsewhere).
+
+    One `gather` per flat group carries the master and both moments of every parameter in it.
+    Every rank must call this. Before the first optimizer step the moments are zeros.
+    """
+    opt = _zero_optimizer(engine)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    slots = _slots(engine, params)
+    by_group: dict[int, list[str]] = defaultdict(list)
+    for name, (group, _, _) in slots.items():
+        by_group[group].append(name)
+    weights, moments = {}, {}
+    for group in sorted(by_group):
+        flat = opt.fp32_partitioned_groups_flat[group]
+        state = opt.optimizer.state.get(flat, {})
+        rows = [flat.detach()] + [state[k].detach() if k in state else torch.zeros_like(flat) for k in MOMENTS]
+        local = torch.stack(rows).float().cpu().contiguous()
+        gathered = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
+        dist.gather(local, gathered, dst=0)
+        if rank != 0:
+            continue
+        for name in by_group[group]:
+            _, offset, length = slots[name]
+            param = params[name]
+            # ZeRO-3 layout: the flattened parameter, padded to world * length, rank r holds slice r.
+            full = torch.cat([g[:, offset : offset + length] for g in gathered], dim=1)[:, : param.ds_numel]
+            shape = full_shape(param)
+            weights[name] = full[0].reshape(shape).clone()
+            for i, key in enumerate(MOMENTS, start=1):
+                moments[f"{name}.{key}"] = full[i].reshape(shape).clone()
+    return (weights, moments) if rank == 0 else None
+
+
+def set_trainable_state(
+    engine,
+    params: dict[str, torch.nn.Parameter],
+    weights: dict[str, torch.Tensor],
+    moments: dict[str, torch.Tensor],
+    step: int,
+) -> None:
+    """Write each rank's slice of the fp32 masters and Adam moments from full tensors; no collectives.
+
+    The masters matter under bf16: the engine built them from bf16 parameters at `initialize`, which
+    lost the fp32 precision the checkpoint kept.
+    """
+    opt = _zero_optimizer(engine)
+    ensure_optimizer_state(engine, step)
+    rank = dist.get_rank(group=next(iter(params.values())).ds_process_group)
+    for name, (group, offset, length) in _slots(engine, params).items():
+        flat = opt.fp32_partitioned_groups_flat[group]
+        targets = [(flat, weights[name])]
+        targets += [(opt.optimizer.state[flat][k], moments[f"{name}.{k}"]) for k in MOMENTS]
+        for dest_flat, full in targets:
+            chunk = full.reshape(-1)[rank * length : (rank + 1) * length]
+            dest = dest_flat.data.narrow(0, offset, length)
+            dest.zero_()  # the padding past the parameter's end stays zero, as DeepSpeed keeps it
+            dest[: chunk.numel()].copy_(chunk.to(dest.dtype))
+
+
+def read_params(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """Full copies of the model's (not the optimizer's) parameter values, gathered per call; every rank."""
+    out = {}
+    partitioned = [p for p in params.values() if is_partitioned(p)]
+    with deepspeed.zero.GatheredParameters(partitioned):
+        for name, param in params.items():
+            out[name] = param.detach().float().cpu().clone()
+    return out

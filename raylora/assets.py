@@ -124,6 +124,7 @@ def build_tiny_model(arch: str, width: int = 64, layers: int = 2, seed: int = 0)
             tokenizer=tokenizer,
             patch_size=patch_size,
             vision_feature_select_strategy="default",
+            num_additional_image_tokens=1,  # the CLS token, which the "default" strategy then drops
             chat_template=LLAVA_CHAT_TEMPLATE,
         )
     elif arch == "qwen2_vl":

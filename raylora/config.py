@@ -130,9 +130,9 @@ class Config:
     def world_size(self) -> int:
         return self.scaling.num_workers
 
-    @property
-    def grad_accum_steps(self) -> int:
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.scaling.num_workers)
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro batches per rank per step, so the global batch does not depend on the worker count."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * world_size)
 
 
 def _convert(value: Any, tp: Any, key: str) -> Any:

@@ -36,9 +36,7 @@ DEMO_SETTINGS = [
 def demo(out: str | Path = "runs/demo", failure: bool = True, arch: str = "llava",
          overrides: list[str] | None = None) -> dict:  # fmt: skip
     """Run the demo under `out` and return (and write) its summary."""
-    import ray
-
-    from raylora.driver import run
+    from raylora.driver import init_ray, run
     from raylora.evaluate import evaluate, load_for_inference
 
     started = time.perf_counter()
@@ -59,8 +57,7 @@ def demo(out: str | Path = "runs/demo", failure: bool = True, arch: str = "llava
     if failure:
         settings.append("fault.kill_at_step=120")
     cfg = config.load(None, settings + list(overrides or []))
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), num_cpus=max(os.cpu_count() or 2, cfg.world_size))
+    init_ray(num_cpus=max(os.cpu_count() or 2, cfg.world_size))
     result = run(cfg)
     if result.error:
         raise result.error

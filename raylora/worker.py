@@ -57,9 +57,12 @@ class Setup:
 
 def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
     """Build the model and engine on this rank and, when given a checkpoint, restore it exactly."""
+    # DeepSpeed adopts the process group Ray Train set up (gloo on CPU, nccl on GPU); zero.Init inside
+    # from_pretrained needs it to know the world size.
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
     arch = detect(cfg.model.path, cfg.model.arch)
-    ds_config = zero.deepspeed_config(cfg)
+    ds_config = zero.deepspeed_config(cfg, world)
     model, zero3 = build_model(cfg, arch, ds_config)
     set_trainable(model, arch, cfg)
     params = trainable_parameters(model)
@@ -109,7 +112,7 @@ def train_step(s: Setup) -> dict[str, float]:
     # The loss is a mean over the global batch's answer tokens. DeepSpeed divides by the accumulation
     # steps and averages over ranks, so scale each micro batch's token sum to undo both: the gradient
     # then does not depend on how the batch is split over workers.
-    scale = s.world_size * cfg.grad_accum_steps / global_tokens
+    scale = s.world_size * cfg.grad_accum_steps(s.world_size) / global_tokens
     device = engine.device
     totals = torch.zeros(2, dtype=torch.float64)
     start = time.perf_counter()

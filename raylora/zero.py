@@ -25,13 +25,13 @@ from raylora.config import Config
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def deepspeed_config(cfg: Config) -> dict:
-    """The ZeRO-3 DeepSpeed config for this run (bf16 on GPU, fp32 on CPU)."""
+def deepspeed_config(cfg: Config, world_size: int) -> dict:
+    """The ZeRO-3 DeepSpeed config for this run on `world_size` ranks (bf16 on GPU, fp32 on CPU)."""
     t = cfg.train
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
-        "gradient_accumulation_steps": cfg.grad_accum_steps,
+        "gradient_accumulation_steps": cfg.grad_accum_steps(world_size),
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {
             "stage": 3,

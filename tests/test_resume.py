@@ -1,0 +1,141 @@
+"""Kill a worker after a checkpoint; the resumed run must equal the uninterrupted one bit for bit.
+
+Real Ray workers, real DeepSpeed ZeRO-3 (every parameter partitioned), gloo on CPU, 2 workers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import ray.train
+import torch
+from ray.train.torch import TorchTrainer
+from safetensors.torch import load_file
+
+from raylora import checkpoint
+from raylora.driver import run
+from tests.conftest import tiny_config
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+KILL_AT = 3  # rank 1 dies before step 4 (3 steps done); the last checkpoint was at step 2
+
+
+@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+def runs(request, ray_cluster, tiny_models, digits, tmp_path_factory):
+    arch = request.param
+    storage = tmp_path_factory.mktemp(f"runs-{arch}")
+    model_dir = tiny_models(arch)
+    straight = run(tiny_config(model_dir, digits[0], storage, "straight"))
+    killed = run(tiny_config(model_dir, digits[0], storage, "killed", f"fault.kill_at_step={KILL_AT}"))
+    assert straight.error is None and killed.error is None
+    return {"arch": arch, "model_dir": model_dir, "straight": straight, "killed": killed, "storage": storage}
+
+
+def _final(result) -> checkpoint.Loaded:
+    with result.checkpoint.as_directory() as folder:
+        return checkpoint.load(folder)
+
+
+def test_resumed_run_equals_uninterrupted_bitwise(runs):
+    straight, killed = _final(runs["straight"]), _final(runs["killed"])
+    assert killed.state.restarts == 1, "the fault drill should have forced exactly one resume"
+    assert straight.state.restarts == 0
+    assert straight.state.step == killed.state.step == 6
+    assert straight.weights.keys() == killed.weights.keys()
+    for name, value in straight.weights.items():
+        assert torch.equal(value, killed.weights[name]), f"{name} differs after resume"
+    for name, value in straight.moments.items():
+        assert torch.equal(value, killed.moments[name]), f"{name} differs after resume"
+    # vision tower and aligner were trained (not silently frozen again by the restore)
+    parts = {n.split(".")[1] for n in straight.weights if ".lora_" not in n}
+    assert parts, "no vision tower / aligner weights in the checkpoint"
+
+
+def test_losses_after_resume_equal_uninterrupted(runs):
+    straight = {m["step"]: m["loss"] for m in runs["straight"].return_value}
+    resumed = runs["killed"].return_value  # the last attempt's steps: 3..6, after resuming at step 2
+    assert [m["step"] for m in resumed] == [3, 4, 5, 6]
+    for m in resumed:
+        assert m["loss"] == straight[m["step"]], f"loss at step {m['step']} differs after resume"
+    assert all(m["restarts"] == 1 for m in resumed)
+
+
+def test_checkpoint_holds_only_trained_state(runs):
+    folder = Path(runs["straight"].checkpoint.path)
+    state = json.loads((folder / checkpoint.STATE).read_text())
+    names = set(state["trainable"])
+    assert all(".lora_" in n or ".vision_tower." in n or ".multi_modal_projector." in n or ".visual." in n
+               for n in names)  # fmt: skip
+    stored = set(load_file(folder / checkpoint.TRAINED_MODULES)) | {
+        n for n in names if ".lora_" in n
+    }
+    assert stored == names
+    assert not any("embed_tokens" in n or "lm_head" in n or (".layers." in n and ".lora_" not in n
+               and "language_model" in n) for n in stored)  # fmt: skip
+    trainable = sum(math.prod(s) for s in state["trainable"].values())
+    big = [checkpoint.ADAPTER_WEIGHTS, checkpoint.TRAINED_MODULES, checkpoint.OPTIMIZER]
+    big_bytes = sum((folder / f).stat().st_size for f in big)
+    # 12 bytes per trainable parameter (fp32 weight + two Adam moments) plus safetensors headers
+    assert 12 * trainable <= big_bytes <= 12 * trainable * 1.02 + 3 * 64 * 1024
+    small_bytes = sum(f.stat().st_size for f in folder.iterdir() if f.name not in big)
+    assert small_bytes < 64 * 1024
+
+
+def test_plain_peft_loads_the_adapter(runs):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    folder = Path(runs["straight"].checkpoint.path)
+    saved = checkpoint.load(folder).weights
+    base = AutoModelForImageTextToText.from_pretrained(runs["model_dir"])
+    model = PeftModel.from_pretrained(base, str(folder))
+    loaded = {n.removeprefix("base_model.model."): p for n, p in model.named_parameters() if ".lora_" in n}
+    lora_saved = {n: t for n, t in saved.items() if ".lora_" in n}
+    assert loaded.keys() == lora_saved.keys()
+    for name, tensor in lora_saved.items():
+        assert torch.equal(loaded[name].detach(), tensor), name
+
+
+def _restore_probe(cfg, folder: str) -> dict:
+    """On each rank: restore from `folder`, then read back what the engine holds before any step."""
+    from raylora import zero
+    from raylora.worker import setup
+
+    loaded = checkpoint.load(folder)
+    s = setup(cfg, loaded)
+    model_values = zero.read_params(s.params)
+    gathered = zero.gather_trainable_state(s.engine, s.params)
+    if s.rank != 0:
+        return {}
+    masters, moments = gathered
+    return {
+        "step": s.step,
+        "lr": s.scheduler.get_last_lr()[0],
+        "params_equal": all(torch.equal(model_values[n], loaded.weights[n]) for n in loaded.weights),
+        "masters_equal": all(torch.equal(masters[n], loaded.weights[n]) for n in loaded.weights),
+        "moments_equal": all(torch.equal(moments[n], loaded.moments[n]) for n in loaded.moments),
+        "moments_nonzero": any(bool(t.abs().sum() > 0) for t in loaded.moments.values()),
+    }
+
+
+def test_restore_equals_checkpoint_before_any_step(runs, tmp_path):
+    arch_ckpt = runs["straight"].best_checkpoints[0][0]  # the step-2 checkpoint, mid-schedule
+    with arch_ckpt.as_directory() as folder:
+        state = checkpoint.load(folder).state
+        cfg = tiny_config(runs["model_dir"], state.config["data"]["train"], tmp_path, "probe")
+        trainer = TorchTrainer(
+            lambda: _restore_probe(cfg, folder),
+            scaling_config=ray.train.ScalingConfig(num_workers=2),
+            run_config=ray.train.RunConfig(name="probe", storage_path=str(tmp_path)),
+        )
+        probe = trainer.fit().return_value
+    assert probe["step"] == state.step
+    assert probe["lr"] == state.scheduler["_last_lr"][0]
+    assert probe["moments_nonzero"]
+    assert probe["params_equal"], "model parameters differ from the checkpoint after restore"
+    assert probe["masters_equal"], "fp32 masters differ from the checkpoint: the next step would undo the load"
+    assert probe["moments_equal"]

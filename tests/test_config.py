@@ -1,0 +1,83 @@
+"""Config parsing and the errors a user sees before anything expensive starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from raylora import config
+from raylora.config import ConfigError
+from raylora.driver import preflight
+
+
+def _base(model_dir="m", train="t.parquet"):
+    return [f"model.path={model_dir}", f"data.train={train}"]
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {path: m}\ndata: {train: t.parquet}\ntrain: {lr: 1e-4, max_steps: 5}\n")
+    cfg = config.load(path, ["train.max_steps=7", "lora.target_modules=q_proj,v_proj", "model.arch=llava"])
+    assert cfg.train.lr == 1e-4 and cfg.train.max_steps == 7
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert cfg.model.arch == "llava"
+    assert config.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.max_stepz=3", "unknown config key train.max_stepz"),
+        ("trian.lr=1", "unknown config key trian"),
+        ("train.max_steps=ten", "train.max_steps: expected int"),
+        ("train.freeze_vision=maybe", "train.freeze_vision: expected bool"),
+        ("train.max_steps=2.5", "train.max_steps: expected int"),
+        ("lora.r=0", "lora.r must be positive"),
+        ("train.global_batch_size=10", "must be a multiple of train.micro_batch_size x scaling.num_workers"),
+        ("run.name=a/b", "run.name"),
+        ("lora.dropout=1.5", "lora.dropout"),
+        ("train", "must look like key=value"),
+    ],
+)
+def test_bad_config_names_the_key(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        config.load(None, _base() + [override])
+
+
+def test_missing_required_keys():
+    with pytest.raises(ConfigError, match="model.path is required"):
+        config.load(None, ["data.train=x"])
+    with pytest.raises(ConfigError, match="data.train is required"):
+        config.load(None, ["model.path=x"])
+
+
+def test_missing_model_folder_and_bad_parquet(tmp_path, tiny_models, digits):
+    with pytest.raises(ConfigError, match="model folder not found: .*nowhere"):
+        preflight(config.load(None, _base(tmp_path / "nowhere", digits[0])))
+    with pytest.raises(ConfigError, match="no config.json"):
+        preflight(config.load(None, _base(tmp_path, digits[0])))
+    model = tiny_models("llava")
+    with pytest.raises(ConfigError, match="data.train: Parquet file not found"):
+        preflight(config.load(None, _base(model, tmp_path / "none.parquet")))
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"image": [b"x"], "question": ["q"]}), bad)
+    with pytest.raises(ConfigError, match="lacks column\\(s\\) prompt, answer"):
+        preflight(config.load(None, _base(model, bad)))
+    with pytest.raises(ConfigError, match="model.arch: unsupported architecture 'blip'"):
+        preflight(config.load(None, _base(model, digits[0]) + ["model.arch=blip"]))
+    assert preflight(config.load(None, _base(model, digits[0]))).model_type == "llava"
+
+
+def test_cli_exits_2_naming_the_problem(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{path: {tmp_path / 'missing-model'}}}\ndata: {{train: {tmp_path / 'x.parquet'}}}\n")
+    proc = subprocess.run([sys.executable, "-m", "raylora.cli", "train", str(cfg)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "model.path: model folder not found" in proc.stderr and "missing-model" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "raylora.cli", "train", str(cfg), "train.bogus=1"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 2 and "unknown config key train.bogus" in proc.stderr

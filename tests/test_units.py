@@ -1,0 +1,120 @@
+"""Single-process pieces: architectures, sampler, batches, checkpoint format."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from raylora import checkpoint
+from raylora.arch import REGISTRY, detect, lora_target_regex
+from raylora.config import ConfigError
+from raylora.data import IGNORE_INDEX, GlobalSampler, ImageTextData, make_batch
+from raylora.processor import load_processor
+
+
+def test_qwen2_vl_aligner_inside_vision_tower():
+    arch = REGISTRY["qwen2_vl"]
+    assert arch.part_of("model.visual.merger.mlp.0.weight") == "aligner"
+    assert arch.part_of("model.visual.blocks.0.attn.qkv.weight") == "vision_tower"
+    assert arch.part_of("model.language_model.layers.0.mlp.up_proj.weight") == "language_model"
+    assert arch.part_of("lm_head.weight") is None
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_detect_and_lora_targets(arch, tiny_models):
+    from transformers import AutoModelForImageTextToText
+
+    folder = tiny_models(arch)
+    a = detect(folder)
+    assert a.model_type == arch
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    import re
+
+    regex = re.compile(lora_target_regex(model, a, None))
+    targets = [n for n, _ in model.named_modules() if regex.match(n)]
+    assert targets and all(n.startswith("model.language_model.") for n in targets)
+    assert {n.rsplit(".", 1)[1] for n in targets} == {"q_proj", "k_proj", "v_proj", "o_proj",
+                                                       "gate_proj", "up_proj", "down_proj"}  # fmt: skip
+    with pytest.raises(ConfigError, match="lora.target_modules: qkv not linear layers"):
+        lora_target_regex(model, a, ["qkv"])
+
+
+def test_sampler_is_global_and_deterministic():
+    s = GlobalSampler(num_samples=100, global_batch_size=8, seed=3)
+    assert s.global_batch(5) == GlobalSampler(100, 8, 3).global_batch(5)
+    assert s.global_batch(5) != GlobalSampler(100, 8, 4).global_batch(5)
+    epoch0 = [i for step in range(s.steps_per_epoch) for i in s.global_batch(step)]
+    assert len(set(epoch0)) == len(epoch0) == 96  # no repeats within an epoch (drop last)
+    assert s.epoch(12) == 1 and s.global_batch(12) != s.global_batch(0)
+    for world in (1, 2, 4):  # the global batch is the same whatever the number of workers
+        shares = [i for r in range(world) for mb in s.micro_batches(7, r, world, 2) for i in mb]
+        assert shares == s.global_batch(7)
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_batches_train_only_on_answer_tokens(arch, tiny_models, digits):
+    processor = load_processor(tiny_models(arch))
+    data = ImageTextData(str(digits[0]))
+    examples = [data.example(i) for i in range(3)]
+    batch = make_batch(processor, examples)
+    labels = batch["labels"]
+    tok = processor.tokenizer
+    for row, (_, _, answer) in zip(labels, examples, strict=True):
+        kept = row[row != IGNORE_INDEX].tolist()
+        assert tok.decode(kept[:-1]) == answer and kept[-1] == tok.eos_token_id
+    assert batch["input_ids"].shape == labels.shape == batch["attention_mask"].shape
+    gen = make_batch(processor, examples, with_answers=False)
+    assert "labels" not in gen and (gen["input_ids"][:, -1] != tok.pad_token_id).all()  # left padded
+
+
+def _tiny_state(trainable):
+    return checkpoint.TrainState(step=3, epoch=0, sampler={"seed": 0, "num_samples": 10, "global_batch_size": 2},
+                                 scheduler={"last_epoch": 3}, world_size=2, trainable=trainable, config={},
+                                 versions=checkpoint.versions())  # fmt: skip
+
+
+class _AdapterConfig:
+    def save_pretrained(self, folder):
+        (__import__("pathlib").Path(folder) / checkpoint.ADAPTER_CONFIG).write_text("{}")
+
+
+def test_checkpoint_save_load_roundtrip_and_manifest(tmp_path):
+    lora = "model.language_model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    vis = "model.vision_tower.encoder.layers.0.mlp.fc1.weight"
+    weights = {lora: torch.randn(4, 8), vis: torch.randn(3, 5)}
+    moments = {f"{n}.{k}": torch.randn_like(t) for n, t in weights.items() for k in ("exp_avg", "exp_avg_sq")}
+    state = _tiny_state({n: list(t.shape) for n, t in weights.items()})
+    checkpoint.save(tmp_path, weights, moments, state, _AdapterConfig())
+    loaded = checkpoint.load(tmp_path)
+    assert loaded.state == state
+    assert all(torch.equal(loaded.weights[n], t) for n, t in weights.items())
+    assert all(torch.equal(loaded.moments[n], t) for n, t in moments.items())
+    manifest = json.loads((tmp_path / checkpoint.MANIFEST).read_text())
+    assert set(manifest["files"]) == {checkpoint.ADAPTER_CONFIG, checkpoint.ADAPTER_WEIGHTS,
+                                      checkpoint.TRAINED_MODULES, checkpoint.OPTIMIZER, checkpoint.STATE}  # fmt: skip
+    # damage: an altered byte, then a truncation, then a missing file
+    path = tmp_path / checkpoint.OPTIMIZER
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError, match="optimizer.safetensors does not match its sha256"):
+        checkpoint.load(tmp_path)
+    path.write_bytes(bytes(data[:-10]))
+    with pytest.raises(checkpoint.CheckpointError, match="optimizer.safetensors has .* bytes"):
+        checkpoint.load(tmp_path)
+    path.unlink()
+    with pytest.raises(checkpoint.CheckpointError, match="optimizer.safetensors listed in the manifest is missing"):
+        checkpoint.load(tmp_path)
+
+
+def test_incompatible_checkpoint_names_first_difference():
+    state = _tiny_state({"a.lora_A.default.weight": [4, 8], "b.lora_B.default.weight": [8, 4]})
+    with pytest.raises(checkpoint.CheckpointError, match=r"a.lora_A.default.weight: expected shape \[2, 8\], "
+                       r"checkpoint has \[4, 8\]"):  # fmt: skip
+        checkpoint.check_compatible(state, {"a.lora_A.default.weight": [2, 8], "b.lora_B.default.weight": [8, 2]})
+    with pytest.raises(checkpoint.CheckpointError, match="lacks trainable parameter c.weight"):
+        checkpoint.check_compatible(state, {"a.lora_A.default.weight": [4, 8], "c.weight": [1]})
+    with pytest.raises(checkpoint.CheckpointError, match="has trainable parameter b.lora_B"):
+        checkpoint.check_compatible(state, {"a.lora_A.default.weight": [4, 8]})

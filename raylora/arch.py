@@ -51,7 +51,9 @@ def detect(model_path: str | Path, arch: str | None = None) -> Architecture:
         except (OSError, ValueError, KeyError) as err:
             raise ConfigError(f"model.path: cannot read model_type from {config_file}: {err}") from err
     if arch not in REGISTRY:
-        raise ConfigError(f"model.arch: unsupported architecture {arch!r} (supported: {', '.join(sorted(REGISTRY))})")
+        raise ConfigError(
+            f"model.arch: unsupported architecture {arch!r} (supported: {', '.join(sorted(REGISTRY))})"
+        )
     return REGISTRY[arch]
 
 

@@ -30,15 +30,25 @@ LLAVA_CHAT_TEMPLATE = (
 )
 QWEN2_VL_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 SPECIAL_TOKENS = [
-    "<pad>", "<s>", "</s>", "<unk>", "<image>",
-    "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
-]  # fmt: skip
+    "<pad>",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<image>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 WORDS = ["USER", "ASSISTANT", "user", "assistant", ":", "?", ".", ",", "Which", "digit", "is", "this", "a"]
 
 

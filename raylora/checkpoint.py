@@ -136,16 +136,22 @@ def verify(folder: str | Path) -> dict[str, Any]:
         manifest = json.loads((folder / MANIFEST).read_text())
         entries = manifest["files"]
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{folder}: {MANIFEST} missing or unreadable ({err}); checkpoint incomplete") from err
+        raise CheckpointError(
+            f"{folder}: {MANIFEST} missing or unreadable ({err}); checkpoint incomplete"
+        ) from err
     for name, entry in entries.items():
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"{folder}: file {name} listed in the manifest is missing")
         if path.stat().st_size != entry["bytes"]:
-            raise CheckpointError(f"{folder}: file {name} has {path.stat().st_size} bytes, manifest says "
-                                  f"{entry['bytes']} (truncated or altered)")  # fmt: skip
+            raise CheckpointError(
+                f"{folder}: file {name} has {path.stat().st_size} bytes, manifest says "
+                f"{entry['bytes']} (truncated or altered)"
+            )
         if _sha256(path) != entry["sha256"]:
-            raise CheckpointError(f"{folder}: file {name} does not match its sha256 in the manifest (altered)")
+            raise CheckpointError(
+                f"{folder}: file {name} does not match its sha256 in the manifest (altered)"
+            )
     return manifest
 
 
@@ -178,16 +184,22 @@ def load(folder: str | Path) -> Loaded:
 
 
 def check_compatible(state: TrainState, expected: dict[str, list[int]], folder: str | Path = "") -> None:
-    """Refuse a checkpoint whose trainable names and shapes differ from the model's; name the first difference."""
+    """Refuse a checkpoint whose trainable names or shapes differ; name the first difference."""
     where = f"{folder}: " if folder else ""
     for name, shape in expected.items():
         if name not in state.trainable:
-            raise CheckpointError(f"{where}checkpoint lacks trainable parameter {name} (expected shape {shape}); "
-                                  f"was it made with another LoRA target set, freeze setting or model?")  # fmt: skip
+            raise CheckpointError(
+                f"{where}checkpoint lacks trainable parameter {name} (expected shape {shape}); "
+                f"was it made with another LoRA target set, freeze setting or model?"
+            )
         if list(state.trainable[name]) != list(shape):
-            raise CheckpointError(f"{where}parameter {name}: expected shape {shape}, checkpoint has "
-                                  f"{state.trainable[name]} (another LoRA rank or base model?)")  # fmt: skip
+            raise CheckpointError(
+                f"{where}parameter {name}: expected shape {shape}, checkpoint has "
+                f"{state.trainable[name]} (another LoRA rank or base model?)"
+            )
     for name, shape in state.trainable.items():
         if name not in expected:
-            raise CheckpointError(f"{where}checkpoint has trainable parameter {name} (shape {shape}) that this "
-                                  f"model does not train (another architecture, LoRA target set or freeze setting?)")  # fmt: skip
+            raise CheckpointError(
+                f"{where}checkpoint has trainable parameter {name} (shape {shape}) that this "
+                f"model does not train (another architecture, LoRA target set or freeze setting?)"
+            )

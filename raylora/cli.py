@@ -19,8 +19,13 @@ def _train(args) -> int:
     if result.error:
         print(f"raylora: run failed: {result.error}", file=sys.stderr)
         return 1
-    print(json.dumps({"checkpoint": result.checkpoint.path if result.checkpoint else None,
-                      "metrics": result.metrics}, indent=2, default=str))  # fmt: skip
+    print(
+        json.dumps(
+            {"checkpoint": result.checkpoint.path if result.checkpoint else None, "metrics": result.metrics},
+            indent=2,
+            default=str,
+        )
+    )
     return 0
 
 
@@ -64,7 +69,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("dir")
     m.add_argument("--arch", default="llava", choices=["llava", "qwen2_vl"])
     m.set_defaults(fn=_make_tiny_model)
-    g = sub.add_parser("make-digits", help="write DIR/train.parquet and DIR/eval.parquet from sklearn's digits")
+    g = sub.add_parser(
+        "make-digits", help="write DIR/train.parquet and DIR/eval.parquet from sklearn's digits"
+    )
     g.add_argument("dir")
     g.set_defaults(fn=_make_digits)
     return p

@@ -25,7 +25,7 @@ class ModelConfig:
     path: str = ""
     """Local Hugging Face model folder (config.json, safetensors weights, tokenizer, processor)."""
     arch: str | None = None
-    """Architecture name from the registry (`raylora.arch`); detected from config.json's model_type if unset."""
+    """Registry name (`raylora.arch`); unset: detected from config.json's model_type."""
 
 
 @dataclass
@@ -101,7 +101,7 @@ class RunConfig:
 @dataclass
 class FaultConfig:
     kill_at_step: int | None = None
-    """Fault drill: one worker kills its own process before this step, in an attempt that began from scratch."""
+    """Fault drill: a worker kills its own process before this step (once: not after a resume)."""
     kill_rank: int = 1
     """Fault drill: the rank that kills itself."""
 
@@ -260,7 +260,8 @@ def validate(cfg: Config) -> None:
     if t.global_batch_size % per_step:
         raise ConfigError(
             f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-            f"train.micro_batch_size x scaling.num_workers ({t.micro_batch_size} x {s.num_workers} = {per_step})"
+            f"train.micro_batch_size x scaling.num_workers "
+            f"({t.micro_batch_size} x {s.num_workers} = {per_step})"
         )
     if not cfg.model.path:
         raise ConfigError("model.path is required: a local Hugging Face model folder")

@@ -33,8 +33,12 @@ DEMO_SETTINGS = [
 ]
 
 
-def demo(out: str | Path = "runs/demo", failure: bool = True, arch: str = "llava",
-         overrides: list[str] | None = None) -> dict:  # fmt: skip
+def demo(
+    out: str | Path = "runs/demo",
+    failure: bool = True,
+    arch: str = "llava",
+    overrides: list[str] | None = None,
+) -> dict:
     """Run the demo under `out` and return (and write) its summary."""
     from raylora.driver import init_ray, run
     from raylora.evaluate import evaluate, load_for_inference

@@ -24,7 +24,9 @@ def preflight(cfg: Config) -> Architecture:
     if not model_dir.is_dir():
         raise ConfigError(f"model.path: model folder not found: {cfg.model.path}")
     if not (model_dir / "config.json").is_file():
-        raise ConfigError(f"model.path: {cfg.model.path} has no config.json (not a Hugging Face model folder)")
+        raise ConfigError(
+            f"model.path: {cfg.model.path} has no config.json (not a Hugging Face model folder)"
+        )
     arch = detect(model_dir, cfg.model.arch)
     num_rows = check_parquet(cfg.data.train, "data.train")
     if num_rows < cfg.train.global_batch_size:
@@ -34,7 +36,9 @@ def preflight(cfg: Config) -> Architecture:
     if cfg.data.eval:
         check_parquet(cfg.data.eval, "data.eval")
     if cfg.fault.kill_at_step is not None and not 0 <= cfg.fault.kill_rank < cfg.scaling.num_workers:
-        raise ConfigError(f"fault.kill_rank {cfg.fault.kill_rank} is not a rank of {cfg.scaling.num_workers} workers")
+        raise ConfigError(
+            f"fault.kill_rank {cfg.fault.kill_rank} is not a rank of {cfg.scaling.num_workers} workers"
+        )
     return arch
 
 

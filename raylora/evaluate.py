@@ -45,12 +45,16 @@ def evaluate(model, processor, data_uri: str, batch_size: int = 32, max_samples:
         labels = batch.pop("labels")
         logits = model(**batch).logits.float()
         loss_sum += torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-            ignore_index=IGNORE_INDEX, reduction="sum",
-        ).item()  # fmt: skip
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            labels[:, 1:].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        ).item()
         tokens += int((labels != IGNORE_INDEX).sum())
         prompts = make_batch(processor, examples, with_answers=False)
-        out = model.generate(**prompts, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            **prompts, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
         new = out[:, prompts["input_ids"].shape[1] :]
         for (_, _, answer), ids in zip(examples, new, strict=True):
             correct += tokenizer.decode(ids, skip_special_tokens=True).strip() == answer.strip()

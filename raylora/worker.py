@@ -153,8 +153,11 @@ def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
     state = checkpoint.TrainState(
         step=s.step,
         epoch=s.sampler.epoch(s.step),
-        sampler={"seed": s.sampler.seed, "num_samples": s.sampler.num_samples,
-                 "global_batch_size": s.sampler.global_batch_size},  # fmt: skip
+        sampler={
+            "seed": s.sampler.seed,
+            "num_samples": s.sampler.num_samples,
+            "global_batch_size": s.sampler.global_batch_size,
+        },
         scheduler=s.scheduler.state_dict(),
         world_size=s.world_size,
         trainable=shapes(s.params),
@@ -201,7 +204,12 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
             rate = (s.step - first_step) / (time.perf_counter() - started)
             log.info(
                 "step %d/%d loss %.4f lr %.2e %.1f samples/s %.0f tokens/s eta %.0fs",
-                s.step, cfg.train.max_steps, metrics["loss"], metrics["lr"], metrics["samples_per_s"],
-                metrics["tokens_per_s"], (cfg.train.max_steps - s.step) / max(rate, 1e-9),
-            )  # fmt: skip
+                s.step,
+                cfg.train.max_steps,
+                metrics["loss"],
+                metrics["lr"],
+                metrics["samples_per_s"],
+                metrics["tokens_per_s"],
+                (cfg.train.max_steps - s.step) / max(rate, 1e-9),
+            )
     return history

@@ -42,9 +42,14 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
         # torch's AdamW: no fused_adam JIT build on CPU, and its state is plain tensors.
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": t.lr, "weight_decay": t.weight_decay, "betas": [0.9, 0.999], "eps": 1e-8,
-                       "torch_adam": True},
-        },  # fmt: skip
+            "params": {
+                "lr": t.lr,
+                "weight_decay": t.weight_decay,
+                "betas": [0.9, 0.999],
+                "eps": 1e-8,
+                "torch_adam": True,
+            },
+        },
         "bf16": {"enabled": cfg.scaling.use_gpu},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
@@ -119,7 +124,9 @@ def gather_trainable_state(
     for group in sorted(by_group):
         flat = opt.fp32_partitioned_groups_flat[group]
         state = opt.optimizer.state.get(flat, {})
-        rows = [flat.detach()] + [state[k].detach() if k in state else torch.zeros_like(flat) for k in MOMENTS]
+        rows = [flat.detach()] + [
+            state[k].detach() if k in state else torch.zeros_like(flat) for k in MOMENTS
+        ]
         local = torch.stack(rows).float().cpu().contiguous()
         gathered = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
         dist.gather(local, gathered, dst=0)

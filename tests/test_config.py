@@ -74,10 +74,17 @@ def test_missing_model_folder_and_bad_parquet(tmp_path, tiny_models, digits):
 
 def test_cli_exits_2_naming_the_problem(tmp_path):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"model: {{path: {tmp_path / 'missing-model'}}}\ndata: {{train: {tmp_path / 'x.parquet'}}}\n")
-    proc = subprocess.run([sys.executable, "-m", "raylora.cli", "train", str(cfg)], capture_output=True, text=True)
+    cfg.write_text(
+        f"model: {{path: {tmp_path / 'missing-model'}}}\ndata: {{train: {tmp_path / 'x.parquet'}}}\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "raylora.cli", "train", str(cfg)], capture_output=True, text=True
+    )
     assert proc.returncode == 2
     assert "model.path: model folder not found" in proc.stderr and "missing-model" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "raylora.cli", "train", str(cfg), "train.bogus=1"],
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "raylora.cli", "train", str(cfg), "train.bogus=1"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "unknown config key train.bogus" in proc.stderr

@@ -68,14 +68,18 @@ def test_checkpoint_holds_only_trained_state(runs):
     folder = Path(runs["straight"].checkpoint.path)
     state = json.loads((folder / checkpoint.STATE).read_text())
     names = set(state["trainable"])
-    assert all(".lora_" in n or ".vision_tower." in n or ".multi_modal_projector." in n or ".visual." in n
-               for n in names)  # fmt: skip
-    stored = set(load_file(folder / checkpoint.TRAINED_MODULES)) | {
-        n for n in names if ".lora_" in n
-    }
+    assert all(
+        ".lora_" in n or ".vision_tower." in n or ".multi_modal_projector." in n or ".visual." in n
+        for n in names
+    )
+    stored = set(load_file(folder / checkpoint.TRAINED_MODULES)) | {n for n in names if ".lora_" in n}
     assert stored == names
-    assert not any("embed_tokens" in n or "lm_head" in n or (".layers." in n and ".lora_" not in n
-               and "language_model" in n) for n in stored)  # fmt: skip
+    assert not any(
+        "embed_tokens" in n
+        or "lm_head" in n
+        or (".layers." in n and ".lora_" not in n and "language_model" in n)
+        for n in stored
+    )
     trainable = sum(math.prod(s) for s in state["trainable"].values())
     big = [checkpoint.ADAPTER_WEIGHTS, checkpoint.TRAINED_MODULES, checkpoint.OPTIMIZER]
     big_bytes = sum((folder / f).stat().st_size for f in big)
@@ -137,5 +141,7 @@ def test_restore_equals_checkpoint_before_any_step(runs, tmp_path):
     assert probe["lr"] == state.scheduler["_last_lr"][0]
     assert probe["moments_nonzero"]
     assert probe["params_equal"], "model parameters differ from the checkpoint after restore"
-    assert probe["masters_equal"], "fp32 masters differ from the checkpoint: the next step would undo the load"
+    assert probe["masters_equal"], (
+        "fp32 masters differ from the checkpoint: the next step would undo the load"
+    )
     assert probe["moments_equal"]

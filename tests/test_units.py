@@ -35,8 +35,15 @@ def test_detect_and_lora_targets(arch, tiny_models):
     regex = re.compile(lora_target_regex(model, a, None))
     targets = [n for n, _ in model.named_modules() if regex.match(n)]
     assert targets and all(n.startswith("model.language_model.") for n in targets)
-    assert {n.rsplit(".", 1)[1] for n in targets} == {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                       "gate_proj", "up_proj", "down_proj"}  # fmt: skip
+    assert {n.rsplit(".", 1)[1] for n in targets} == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     with pytest.raises(ConfigError, match="lora.target_modules: qkv not linear layers"):
         lora_target_regex(model, a, ["qkv"])
 
@@ -70,9 +77,16 @@ def test_batches_train_only_on_answer_tokens(arch, tiny_models, digits):
 
 
 def _tiny_state(trainable):
-    return checkpoint.TrainState(step=3, epoch=0, sampler={"seed": 0, "num_samples": 10, "global_batch_size": 2},
-                                 scheduler={"last_epoch": 3}, world_size=2, trainable=trainable, config={},
-                                 versions=checkpoint.versions())  # fmt: skip
+    return checkpoint.TrainState(
+        step=3,
+        epoch=0,
+        sampler={"seed": 0, "num_samples": 10, "global_batch_size": 2},
+        scheduler={"last_epoch": 3},
+        world_size=2,
+        trainable=trainable,
+        config={},
+        versions=checkpoint.versions(),
+    )
 
 
 class _AdapterConfig:
@@ -92,8 +106,13 @@ def test_checkpoint_save_load_roundtrip_and_manifest(tmp_path):
     assert all(torch.equal(loaded.weights[n], t) for n, t in weights.items())
     assert all(torch.equal(loaded.moments[n], t) for n, t in moments.items())
     manifest = json.loads((tmp_path / checkpoint.MANIFEST).read_text())
-    assert set(manifest["files"]) == {checkpoint.ADAPTER_CONFIG, checkpoint.ADAPTER_WEIGHTS,
-                                      checkpoint.TRAINED_MODULES, checkpoint.OPTIMIZER, checkpoint.STATE}  # fmt: skip
+    assert set(manifest["files"]) == {
+        checkpoint.ADAPTER_CONFIG,
+        checkpoint.ADAPTER_WEIGHTS,
+        checkpoint.TRAINED_MODULES,
+        checkpoint.OPTIMIZER,
+        checkpoint.STATE,
+    }
     # damage: an altered byte, then a truncation, then a missing file
     path = tmp_path / checkpoint.OPTIMIZER
     data = bytearray(path.read_bytes())
@@ -105,15 +124,22 @@ def test_checkpoint_save_load_roundtrip_and_manifest(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="optimizer.safetensors has .* bytes"):
         checkpoint.load(tmp_path)
     path.unlink()
-    with pytest.raises(checkpoint.CheckpointError, match="optimizer.safetensors listed in the manifest is missing"):
+    with pytest.raises(
+        checkpoint.CheckpointError, match="optimizer.safetensors listed in the manifest is missing"
+    ):
         checkpoint.load(tmp_path)
 
 
 def test_incompatible_checkpoint_names_first_difference():
     state = _tiny_state({"a.lora_A.default.weight": [4, 8], "b.lora_B.default.weight": [8, 4]})
-    with pytest.raises(checkpoint.CheckpointError, match=r"a.lora_A.default.weight: expected shape \[2, 8\], "
-                       r"checkpoint has \[4, 8\]"):  # fmt: skip
-        checkpoint.check_compatible(state, {"a.lora_A.default.weight": [2, 8], "b.lora_B.default.weight": [8, 2]})
+    with pytest.raises(
+        checkpoint.CheckpointError,
+        match=r"a.lora_A.default.weight: expected shape \[2, 8\], "
+        r"checkpoint has \[4, 8\]",
+    ):
+        checkpoint.check_compatible(
+            state, {"a.lora_A.default.weight": [2, 8], "b.lora_B.default.weight": [8, 2]}
+        )
     with pytest.raises(checkpoint.CheckpointError, match="lacks trainable parameter c.weight"):
         checkpoint.check_compatible(state, {"a.lora_A.default.weight": [4, 8], "c.weight": [1]})
     with pytest.raises(checkpoint.CheckpointError, match="has trainable parameter b.lora_B"):

@@ -1,0 +1,32 @@
+# raylora: every command in the README goes through these targets.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install demo test test-fast lint format
+
+install: $(VENV)/.installed
+
+# torch is installed first and pinned: the CPU wheel of this exact version is what the project is
+# tested with, and an unpinned torch would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+demo: install
+	$(VENV)/bin/raylora demo
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+lint: install
+	$(VENV)/bin/ruff check raylora tests
+	$(VENV)/bin/ruff format --check raylora tests
+
+format: install
+	$(VENV)/bin/ruff check --fix raylora tests
+	$(VENV)/bin/ruff format raylora tests

@@ -7,6 +7,7 @@ ZeRO-3, one worker killed mid-run, Ray restarts and raylora resumes, then held-o
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -70,8 +71,7 @@ def demo(
         ckpt_bytes = sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file())
         model, processor = load_for_inference(folder, str(model_dir))
     scores = evaluate(model, processor, str(eval_file))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    trainable = sum(int(__import__("math").prod(s)) for s in state["trainable"].values())
+    trainable = sum(math.prod(shape) for shape in state["trainable"].values())
     base_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     summary = {
         "arch": arch,

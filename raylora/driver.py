@@ -13,6 +13,7 @@ from ray.train.torch import TorchTrainer
 from raylora.arch import Architecture, detect
 from raylora.config import Config, ConfigError
 from raylora.data import check_parquet
+from raylora.progress import MetricsLog
 from raylora.worker import train_loop_per_worker
 
 log = logging.getLogger("raylora")
@@ -67,7 +68,7 @@ def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
             storage_path=storage_path(cfg),
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
-            callbacks=callbacks,
+            callbacks=[MetricsLog(storage_path(cfg), cfg.run.name), *(callbacks or [])],
         ),
     )
 

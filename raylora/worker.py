@@ -139,6 +139,7 @@ def train_step(s: Setup) -> dict[str, float]:
         "lr": s.scheduler.get_last_lr()[0],
         "samples_per_s": cfg.train.global_batch_size / elapsed,
         "tokens_per_s": totals[1].item() / elapsed,
+        "max_steps": cfg.train.max_steps,
         "epoch": s.sampler.epoch(step),
         "restarts": s.restarts,
     }

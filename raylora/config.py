@@ -58,6 +58,9 @@ class TrainConfig:
     """Samples per forward pass on one worker; gradient accumulation makes up the global batch."""
     lr: float = 2e-4
     """Peak learning rate (AdamW)."""
+    vision_lr: float | None = None
+    """Peak learning rate of a trained vision tower and aligner; unset: train.lr. Full training of
+    pretrained modules usually wants a smaller one than LoRA."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     warmup_steps: int = 10
@@ -252,8 +255,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be positive, got {value}")
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr must be positive, got {t.lr}")
+    if t.lr <= 0 or (t.vision_lr is not None and t.vision_lr <= 0):
+        raise ConfigError(f"train.lr and train.vision_lr must be positive, got {t.lr} and {t.vision_lr}")
     if t.warmup_steps < 0 or cfg.run.max_failures < 0:
         raise ConfigError("train.warmup_steps and run.max_failures must not be negative")
     per_step = t.micro_batch_size * s.num_workers

@@ -17,6 +17,7 @@ import shutil
 import signal
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 
 import deepspeed
@@ -30,7 +31,7 @@ from raylora import checkpoint, zero
 from raylora.arch import detect
 from raylora.config import Config
 from raylora.data import IGNORE_INDEX, GlobalSampler, ImageTextData, answer_ids, make_batch
-from raylora.model import build_model, module_groups, set_trainable, shapes, trainable_parameters
+from raylora.model import build_model, is_lora, module_groups, set_trainable, shapes, trainable_parameters
 from raylora.processor import load_processor
 
 log = logging.getLogger("raylora")
@@ -73,8 +74,13 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
     def schedule(optimizer):
         return get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, cfg.train.max_steps)
 
+    lora = [p for n, p in params.items() if is_lora(n)]
+    modules = [p for n, p in params.items() if not is_lora(n)]
+    groups = [{"params": lora, "lr": cfg.train.lr}]
+    if modules:
+        groups.append({"params": modules, "lr": cfg.train.vision_lr or cfg.train.lr})
     engine, _, _, scheduler = deepspeed.initialize(
-        model=model, model_parameters=list(params.values()), config=ds_config, lr_scheduler=schedule
+        model=model, model_parameters=groups, config=ds_config, lr_scheduler=schedule
     )
     del zero3  # transformers no longer needs to see the ZeRO-3 config once the engine exists
 
@@ -182,6 +188,10 @@ def maybe_kill(s: Setup) -> None:
 def train_loop_per_worker(cfg: Config) -> list[dict]:
     """Ray Train entry point. Returns this attempt's per-step metrics (from rank 0)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s raylora %(message)s")
+    # Ray Train logs every report at INFO and DeepSpeed calls deprecated torch.distributed names on
+    # every step; both would bury the progress lines.
+    logging.getLogger("ray.train.v2._internal.execution.context").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     restore_from = None
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:

@@ -1,0 +1,102 @@
+"""`raylora export`: a checkpoint as a PEFT adapter folder, or merged into a full Hugging Face model.
+
+A checkpoint's LoRA weights are already in PEFT's format, so the adapter export copies them with the
+adapter config, plus the trained vision tower / aligner weights when there are any (PEFT does not
+load those: apply them with `load_state_dict(..., strict=False)` on `model.base_model.model`).
+The merged export folds LoRA into the base weights (PEFT's `merge_and_unload`) in fp32, puts the
+trained vision tower / aligner weights in place, and saves the model in the base model's dtype with
+its processor: a plain model folder for `AutoModelForImageTextToText.from_pretrained`.
+
+Either way the output is written into a temporary sibling folder and renamed into place at the end,
+so a failed export never leaves a folder that looks complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from raylora import checkpoint
+from raylora.config import ConfigError
+
+
+def resolve(folder: str | Path, model_path: str | None = None) -> tuple[checkpoint.TrainState, str]:
+    """Verify a checkpoint for use outside training and find its base model folder.
+
+    The base model is state.json's `config.model.path` unless `model_path` overrides it. Raises
+    `ConfigError` (the CLI exits with 2) when the manifest check fails or the base model is missing.
+    """
+    folder = Path(folder)
+    try:
+        checkpoint.verify(folder)
+        state = checkpoint.TrainState.from_dict(json.loads((folder / checkpoint.STATE).read_text()))
+    except (checkpoint.CheckpointError, OSError, ValueError, TypeError) as err:
+        raise ConfigError(f"not a usable raylora checkpoint: {err}") from err
+    model_path = model_path or state.config["model"]["path"]
+    if not (Path(model_path) / "config.json").is_file():
+        raise ConfigError(
+            f"base model folder {model_path} not found (or has no config.json); pass --model PATH"
+        )
+    return state, model_path
+
+
+def has_trained_modules(folder: str | Path) -> bool:
+    """Whether the checkpoint trained any vision tower / aligner weights (beside LoRA)."""
+    with safe_open(Path(folder) / checkpoint.TRAINED_MODULES, framework="pt") as f:
+        return len(list(f.keys())) > 0
+
+
+def _write_adapter(folder: Path, out: Path) -> None:
+    names = [checkpoint.ADAPTER_CONFIG, checkpoint.ADAPTER_WEIGHTS]
+    if has_trained_modules(folder):
+        names.append(checkpoint.TRAINED_MODULES)
+    for name in names:
+        shutil.copyfile(folder / name, out / name)
+
+
+def _write_merged(folder: Path, out: Path, model_path: str) -> None:
+    from transformers import AutoConfig
+
+    from raylora.evaluate import load_for_inference
+
+    # Merge in fp32 so that W + BA is exact up to fp32 rounding, then save in the base model's dtype
+    # (a bf16 7B model stays 14 GB on disk).
+    base_dtype = AutoConfig.from_pretrained(model_path).dtype
+    model, processor = load_for_inference(folder, model_path)
+    merged = model.merge_and_unload()
+    if isinstance(base_dtype, torch.dtype) and base_dtype.is_floating_point:
+        merged = merged.to(base_dtype)
+    merged.save_pretrained(out)
+    processor.save_pretrained(out)
+
+
+def export(folder: str | Path, out: str | Path, merge: bool = False, model_path: str | None = None) -> Path:
+    """Write checkpoint `folder` to `out` as a PEFT adapter folder, or with `merge` as a full model.
+
+    Refuses (`ConfigError`) a checkpoint that fails its manifest check and an `out` that exists and is
+    not an empty folder, before loading anything.
+    """
+    folder, out = Path(folder), Path(out)
+    _, model_path = resolve(folder, model_path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out {out} exists and is not an empty folder; choose a new one")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.parent / f".{out.name}.partial-{os.getpid()}"
+    partial.mkdir()
+    try:
+        if merge:
+            _write_merged(folder, partial, model_path)
+        else:
+            _write_adapter(folder, partial)
+        if out.exists():
+            out.rmdir()  # empty, checked above; rename cannot replace a folder portably
+        partial.rename(out)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return out

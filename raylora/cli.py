@@ -52,6 +52,48 @@ def _make_digits(args) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from raylora.export import export
+
+    print(export(args.checkpoint, args.out, merge=args.merge, model_path=args.model))
+    return 0
+
+
+def _eval(args) -> int:
+    from raylora.data import check_parquet
+    from raylora.evaluate import evaluate, load_for_inference
+    from raylora.export import resolve
+
+    state, model_path = resolve(args.checkpoint, args.model)
+    check_parquet(args.data, "--data")
+    model, processor = load_for_inference(args.checkpoint, model_path)
+    scores = evaluate(model, processor, args.data, batch_size=args.batch_size, max_samples=args.max_samples)
+    print(json.dumps({"checkpoint": args.checkpoint, "step": state.step, **scores}, indent=2))
+    return 0
+
+
+def _inspect(args) -> int:
+    from raylora.inspection import format_report, inspect_checkpoint
+
+    report = inspect_checkpoint(args.checkpoint)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["manifest"]["ok"] else 1
+
+
+def _plot(args) -> int:
+    from raylora.plot import plot
+
+    print(plot(args.run_dir, args.out))
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="raylora", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -74,6 +116,27 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument("dir")
     g.set_defaults(fn=_make_digits)
+    x = sub.add_parser("export", help="write a checkpoint as a PEFT adapter folder, or merged as a full model")
+    x.add_argument("checkpoint", help="checkpoint folder")
+    x.add_argument("--out", required=True, help="new (or empty) output folder")
+    x.add_argument("--merge", action="store_true", help="merge LoRA into the base model and save it whole")
+    x.add_argument("--model", help="base model folder (default: the one in the checkpoint's state.json)")
+    x.set_defaults(fn=_export)
+    e = sub.add_parser("eval", help="exact-match accuracy and answer loss of a checkpoint on a Parquet file")
+    e.add_argument("checkpoint", help="checkpoint folder")
+    e.add_argument("--data", required=True, help="Parquet file with columns image, prompt, answer")
+    e.add_argument("--max-samples", type=_positive_int, help="evaluate the first N rows only")
+    e.add_argument("--batch-size", type=_positive_int, default=32, help="samples per batch (default 32)")
+    e.add_argument("--model", help="base model folder (default: the one in the checkpoint's state.json)")
+    e.set_defaults(fn=_eval)
+    i = sub.add_parser("inspect", help="a checkpoint's step, files, manifest check and trainable modules")
+    i.add_argument("checkpoint", help="checkpoint folder")
+    i.add_argument("--json", action="store_true", help="print the report as JSON")
+    i.set_defaults(fn=_inspect)
+    pl = sub.add_parser("plot", help="PNG of loss against step from a run folder's raylora_metrics.jsonl")
+    pl.add_argument("run_dir", help="run folder {run.storage_path}/{run.name}")
+    pl.add_argument("--out", help="output PNG (default RUN_DIR/loss.png)")
+    pl.set_defaults(fn=_plot)
     return p
 
 

@@ -1,0 +1,361 @@
+"""Tiny vision-language models from transformers' own config classes: one builder per architecture.
+
+Each builder returns the config and the processor of a real model family, shrunk: width 64, 2 layers,
+a word-level tokenizer over the demo's words, and an image processor that upscales the 8x8 digits to
+16x16 (4 or 5 image tokens). The chat templates follow the real models' ones, so the tiny models are
+prompted as the real ones are. Nothing here downloads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raylora.processor import image_only_processor_class
+
+DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+IMAGE_SIZE = 16  # pixels a side after the processor's resize: 4x4 patches of 4 px
+PATCH_SIZE = 4
+
+# Chat templates modelled on the real models' ones, so the tiny models are prompted the same way.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}"
+    "{% endif %}{% endfor %} {% else %}ASSISTANT: {% for c in message['content'] %}{{ c['text'] }}"
+    "{% endfor %}</s>{% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SMOLVLM_CHAT_TEMPLATE = (  # Idefics3 / SmolVLM: "User:<image>...<end_of_utterance>\nAssistant:"
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+GEMMA3_CHAT_TEMPLATE = (  # the processor expands <start_of_image> into the image's soft tokens
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{% if message['role'] == 'assistant' %}model{% else %}{{ message['role'] }}{% endif %}\n"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<start_of_image>{% else %}"
+    "{{ c['text'] | trim }}{% endif %}{% endfor %}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+INTERNVL_CHAT_TEMPLATE = (  # InternVL3 (-hf): Qwen2's turns, the image as <IMG_CONTEXT> on its own line
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<image>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+WORDS = ["USER", "ASSISTANT", "user", "assistant", ":", "?", ".", ",", "Which", "digit", "is", "this", "a"]
+
+# Tokens that only some architectures need, appended after the shared vocabulary so that the llava and
+# qwen2_vl tokenizers stay what they were.
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+GEMMA3_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+INTERNVL_TOKENS = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
+
+
+def build_tokenizer(
+    extra_tokens: list[str] | tuple[str, ...] = (),
+    named_tokens: dict[str, str] | None = None,
+    extra_words: list[str] | tuple[str, ...] = (),
+):
+    """A word-level tokenizer over the demo's vocabulary, saved and loaded like any HF tokenizer.
+
+    Written by hand because no pretrained tokenizer can be downloaded here; a word-level vocabulary of
+    a few dozen entries also keeps the tiny model's embedding small. `named_tokens` become attributes
+    (`tokenizer.boi_token`, `tokenizer.boi_token_id`), which Gemma3's and InternVL's processors read.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    named_tokens = named_tokens or {}
+    specials = SPECIAL_TOKENS + list(extra_tokens) + list(named_tokens.values())
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS + DIGIT_NAMES + list(extra_words))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(behavior="isolated")]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=specials[4:],
+        **({"model_specific_special_tokens": named_tokens} if named_tokens else {}),
+    )
+    return tokenizer
+
+
+def _text_config(tokenizer, width: int, layers: int) -> dict:
+    return dict(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+
+
+def _vision(width: int, layers: int, **kwargs) -> dict:
+    """A ViT-style vision config (CLIP, SigLIP, Idefics3, InternVL name their fields alike)."""
+    return dict(
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        image_size=IMAGE_SIZE,
+        patch_size=PATCH_SIZE,
+        **kwargs,
+    )
+
+
+def _mrope_text_config(tokenizer, width: int, layers: int) -> dict:
+    text = _text_config(tokenizer, width, layers)
+    head_dim = width // 4
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        # the three M-RoPE sections (time, height, width) must add up to head_dim / 2
+        "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8],
+    }
+    return text
+
+
+def _qwen_vl_tokens(tokenizer) -> dict:
+    ids = tokenizer.convert_tokens_to_ids
+    return dict(
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+    )
+
+
+def _qwen_vl_image_processor():
+    from transformers import Qwen2VLImageProcessorPil
+
+    pixels = IMAGE_SIZE * IMAGE_SIZE  # every digit becomes a 16x16 image: 4x4 patches, 2x2 tokens after merging
+    return Qwen2VLImageProcessorPil(
+        patch_size=PATCH_SIZE, merge_size=2, temporal_patch_size=2, min_pixels=pixels, max_pixels=pixels
+    )
+
+
+def _llava(width: int, layers: int):
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaProcessor
+
+    tokenizer = build_tokenizer()
+    config = LlavaConfig(
+        vision_config=CLIPVisionConfig(**_vision(width, layers)),
+        text_config=LlamaConfig(**_text_config(tokenizer, width, layers)),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        vision_feature_select_strategy="default",
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE},
+        crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,  # the CLS token, which the "default" strategy then drops
+        chat_template=LLAVA_CHAT_TEMPLATE,
+    )
+    return config, processor
+
+
+def _qwen2_vl(width: int, layers: int):
+    from transformers import Qwen2VLConfig, Qwen2VLProcessor
+
+    tokenizer = build_tokenizer()
+    config = Qwen2VLConfig(
+        text_config=_mrope_text_config(tokenizer, width, layers),
+        vision_config=dict(
+            depth=layers,
+            embed_dim=width,
+            hidden_size=width,
+            num_heads=4,
+            patch_size=PATCH_SIZE,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+        ),
+        tie_word_embeddings=False,
+        **_qwen_vl_tokens(tokenizer),
+    )
+    processor = image_only_processor_class(Qwen2VLProcessor)(
+        image_processor=_qwen_vl_image_processor(), tokenizer=tokenizer, chat_template=QWEN2_VL_CHAT_TEMPLATE
+    )
+    return config, processor
+
+
+def _qwen2_5_vl(width: int, layers: int):
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLProcessor
+
+    tokenizer = build_tokenizer()
+    config = Qwen2_5_VLConfig(
+        text_config=_mrope_text_config(tokenizer, width, layers),
+        vision_config=dict(
+            depth=layers,
+            hidden_size=width,
+            intermediate_size=2 * width,
+            out_hidden_size=width,
+            num_heads=4,
+            patch_size=PATCH_SIZE,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=2 * PATCH_SIZE * 2,  # windows of 2x2 merged tokens; the last block attends fully
+            fullatt_block_indexes=[layers - 1],
+        ),
+        tie_word_embeddings=False,
+        **_qwen_vl_tokens(tokenizer),
+    )
+    processor = image_only_processor_class(Qwen2_5_VLProcessor)(
+        image_processor=_qwen_vl_image_processor(), tokenizer=tokenizer, chat_template=QWEN2_VL_CHAT_TEMPLATE
+    )
+    return config, processor
+
+
+def _idefics3(width: int, layers: int):
+    from transformers import Idefics3Config, Idefics3ImageProcessorPil, Idefics3Processor, LlamaConfig
+
+    tokenizer = build_tokenizer(extra_tokens=IDEFICS3_TOKENS, extra_words=["User", "Assistant"])
+    scale_factor = 2  # the connector's pixel shuffle: 4x4 patches become 2x2 image tokens
+    config = Idefics3Config(
+        vision_config=_vision(width, layers),
+        text_config=LlamaConfig(**_text_config(tokenizer, width, layers)),
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=scale_factor,
+        tie_word_embeddings=False,
+    )
+    image_processor = Idefics3ImageProcessorPil(
+        size={"longest_edge": IMAGE_SIZE},
+        max_image_size={"longest_edge": IMAGE_SIZE},
+        do_image_splitting=False,  # one global image; splitting would add <row_i_col_j> tiles
+    )
+    processor = Idefics3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_len=(IMAGE_SIZE // PATCH_SIZE // scale_factor) ** 2,
+        chat_template=SMOLVLM_CHAT_TEMPLATE,
+    )
+    return config, processor
+
+
+def _gemma3(width: int, layers: int):
+    from transformers import Gemma3Config, Gemma3ImageProcessorPil, Gemma3Processor, Gemma3TextConfig
+
+    tokenizer = build_tokenizer(named_tokens=GEMMA3_TOKENS, extra_words=["model"])
+    tokens_per_image = 4  # the projector average-pools 4x4 patches down to 2x2 soft tokens
+    head_dim = width // 4
+    text = _text_config(tokenizer, width, layers)
+    text.update(head_dim=head_dim, query_pre_attn_scalar=head_dim, sliding_window=64)
+    ids = tokenizer.convert_tokens_to_ids
+    config = Gemma3Config(
+        text_config=Gemma3TextConfig(**text),
+        vision_config=dict(model_type="siglip_vision_model", **_vision(width, layers)),
+        mm_tokens_per_image=tokens_per_image,
+        boi_token_index=ids(GEMMA3_TOKENS["boi_token"]),
+        eoi_token_index=ids(GEMMA3_TOKENS["eoi_token"]),
+        image_token_index=ids(GEMMA3_TOKENS["image_token"]),
+        tie_word_embeddings=False,
+    )
+    image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = Gemma3Processor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_length=tokens_per_image,
+        chat_template=GEMMA3_CHAT_TEMPLATE,
+    )
+    return config, processor
+
+
+def _internvl(width: int, layers: int):
+    from transformers import GotOcr2ImageProcessorPil, InternVLConfig, InternVLProcessor, Qwen2Config
+
+    tokenizer = build_tokenizer(named_tokens=INTERNVL_TOKENS)
+    tokens_per_image = (IMAGE_SIZE // PATCH_SIZE // 2) ** 2  # downsample_ratio 0.5: 4x4 patches -> 2x2
+    config = InternVLConfig(
+        vision_config=_vision(width, layers),
+        text_config=Qwen2Config(**_text_config(tokenizer, width, layers)),
+        image_token_id=tokenizer.convert_tokens_to_ids(INTERNVL_TOKENS["context_image_token"]),
+        image_seq_length=tokens_per_image,
+        downsample_ratio=0.5,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+    )
+    image_processor = GotOcr2ImageProcessorPil(
+        size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, crop_to_patches=False, max_patches=1
+    )
+    processor = image_only_processor_class(InternVLProcessor)(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        image_seq_length=tokens_per_image,
+        chat_template=INTERNVL_CHAT_TEMPLATE,
+    )
+    return config, processor
+
+
+BUILDERS = {
+    "llava": _llava,
+    "qwen2_vl": _qwen2_vl,
+    "qwen2_5_vl": _qwen2_5_vl,
+    "idefics3": _idefics3,
+    "gemma3": _gemma3,
+    "internvl": _internvl,
+}
+
+
+def build_tiny_model(arch: str, width: int = 64, layers: int = 2, seed: int = 0):
+    """Build (model, processor) for `arch` from config classes only: random weights, real structure."""
+    from transformers import AutoModelForImageTextToText
+
+    if arch not in BUILDERS:
+        raise ValueError(f"make-tiny-model: unknown --arch {arch!r}; choose one of {', '.join(BUILDERS)}")
+    torch.manual_seed(seed)
+    config, processor = BUILDERS[arch](width, layers)
+    tokenizer = processor.tokenizer
+    for cfg in (config, config.text_config):
+        cfg.pad_token_id = tokenizer.pad_token_id
+        cfg.eos_token_id = tokenizer.eos_token_id
+        cfg.bos_token_id = tokenizer.bos_token_id
+    model = AutoModelForImageTextToText.from_config(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, processor

@@ -3,17 +3,22 @@
 One entry per `config.model_type`. Prefixes are parameter-name prefixes of the model as
 `AutoModelForImageTextToText` builds it in transformers 5. Where the aligner sits inside the vision
 tower (Qwen2-VL's merger), the aligner wins: a parameter belongs to the longest matching prefix.
+Entries marked `tested=False` have no tiny model that trains here (see each entry's comment); their
+prefixes are taken from the model code but no raylora test has trained one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch.nn as nn
 
 from raylora.config import ConfigError
+
+log = logging.getLogger("raylora")
 
 
 @dataclass(frozen=True)
@@ -22,6 +27,7 @@ class Architecture:
     language_model: str
     vision_tower: str
     aligner: str
+    tested: bool = True  # a tiny model of it trains on 2 workers under ZeRO-3 in tests/test_architectures.py
 
     def part_of(self, name: str) -> str | None:
         """`language_model`, `vision_tower`, `aligner` or None (e.g. lm_head) for a base parameter name."""
@@ -38,6 +44,30 @@ REGISTRY: dict[str, Architecture] = {
     for a in [
         Architecture("llava", "model.language_model", "model.vision_tower", "model.multi_modal_projector"),
         Architecture("qwen2_vl", "model.language_model", "model.visual", "model.visual.merger"),
+        Architecture("qwen2_5_vl", "model.language_model", "model.visual", "model.visual.merger"),
+        # Idefics3 and SmolVLM (model_type idefics3): SigLIP vision model, pixel-shuffle connector
+        Architecture("idefics3", "model.text_model", "model.vision_model", "model.connector"),
+        Architecture("gemma3", "model.language_model", "model.vision_tower", "model.multi_modal_projector"),
+        Architecture("internvl", "model.language_model", "model.vision_tower", "model.multi_modal_projector"),
+        # Mistral3 (Pixtral vision tower; the patch merger is in the projector). Untested: transformers'
+        # PixtralProcessor cannot be imported without torchvision, so no tiny model has a processor here.
+        Architecture(
+            "mistral3",
+            "model.language_model",
+            "model.vision_tower",
+            "model.multi_modal_projector",
+            tested=False,
+        ),
+        # Phi-3 / Phi-3.5-vision: remote code (trust_remote_code, AutoModelForCausalLM), which raylora does
+        # not load. Its embeddings and final norm sit beside the decoder layers under `model.`, so the
+        # language model is the decoder layers, where LoRA goes.
+        Architecture(
+            "phi3_v",
+            "model.layers",
+            "model.vision_embed_tokens.img_processor",
+            "model.vision_embed_tokens.img_projection",
+            tested=False,
+        ),
     ]
 }
 
@@ -54,6 +84,8 @@ def detect(model_path: str | Path, arch: str | None = None) -> Architecture:
         raise ConfigError(
             f"model.arch: unsupported architecture {arch!r} (supported: {', '.join(sorted(REGISTRY))})"
         )
+    if not REGISTRY[arch].tested:
+        log.warning("architecture %s is registered but not tested with raylora", arch)
     return REGISTRY[arch]
 
 

@@ -62,9 +62,10 @@ def _export(args) -> int:
 def _eval(args) -> int:
     from raylora.data import check_parquet
     from raylora.evaluate import evaluate, load_for_inference
-    from raylora.export import resolve
+    from raylora.export import base_model_path, verified_state
 
-    state, model_path = resolve(args.checkpoint, args.model)
+    state = verified_state(args.checkpoint)
+    model_path = base_model_path(state, args.model)
     check_parquet(args.data, "--data")
     model, processor = load_for_inference(args.checkpoint, model_path)
     scores = evaluate(model, processor, args.data, batch_size=args.batch_size, max_samples=args.max_samples)
@@ -95,6 +96,8 @@ def _positive_int(text: str) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    from raylora.assets import TINY_ARCHS  # light: transformers is imported only when a model is built
+
     p = argparse.ArgumentParser(prog="raylora", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="train from a YAML config (uses RAY_ADDRESS when set)")
@@ -104,19 +107,21 @@ def parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="tiny model + digits, 2 workers, one killed mid-run, then evaluate")
     d.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     d.add_argument("--no-failure", action="store_true", help="do not kill a worker mid-run")
-    d.add_argument("--arch", default="llava", choices=["llava", "qwen2_vl"])
+    d.add_argument("--arch", default="llava", choices=TINY_ARCHS)
     d.add_argument("overrides", nargs="*", help="dotted key=value overrides of the demo's config")
     d.set_defaults(fn=_demo)
     m = sub.add_parser("make-tiny-model", help="write a tiny model folder built from config classes")
     m.add_argument("dir")
-    m.add_argument("--arch", default="llava", choices=["llava", "qwen2_vl"])
+    m.add_argument("--arch", default="llava", choices=TINY_ARCHS)
     m.set_defaults(fn=_make_tiny_model)
     g = sub.add_parser(
         "make-digits", help="write DIR/train.parquet and DIR/eval.parquet from sklearn's digits"
     )
     g.add_argument("dir")
     g.set_defaults(fn=_make_digits)
-    x = sub.add_parser("export", help="write a checkpoint as a PEFT adapter folder, or merged as a full model")
+    x = sub.add_parser(
+        "export", help="write a checkpoint as a PEFT adapter folder, or merged as a full model"
+    )
     x.add_argument("checkpoint", help="checkpoint folder")
     x.add_argument("--out", required=True, help="new (or empty) output folder")
     x.add_argument("--merge", action="store_true", help="merge LoRA into the base model and save it whole")

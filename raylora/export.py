@@ -25,24 +25,24 @@ from raylora import checkpoint
 from raylora.config import ConfigError
 
 
-def resolve(folder: str | Path, model_path: str | None = None) -> tuple[checkpoint.TrainState, str]:
-    """Verify a checkpoint for use outside training and find its base model folder.
-
-    The base model is state.json's `config.model.path` unless `model_path` overrides it. Raises
-    `ConfigError` (the CLI exits with 2) when the manifest check fails or the base model is missing.
-    """
+def verified_state(folder: str | Path) -> checkpoint.TrainState:
+    """The TrainState of a checkpoint that passes its manifest check; `ConfigError` (exit 2) otherwise."""
     folder = Path(folder)
     try:
         checkpoint.verify(folder)
-        state = checkpoint.TrainState.from_dict(json.loads((folder / checkpoint.STATE).read_text()))
+        return checkpoint.TrainState.from_dict(json.loads((folder / checkpoint.STATE).read_text()))
     except (checkpoint.CheckpointError, OSError, ValueError, TypeError) as err:
         raise ConfigError(f"not a usable raylora checkpoint: {err}") from err
+
+
+def base_model_path(state: checkpoint.TrainState, model_path: str | None = None) -> str:
+    """The base model folder: `model_path`, else the one the run trained on (state.json)."""
     model_path = model_path or state.config["model"]["path"]
     if not (Path(model_path) / "config.json").is_file():
         raise ConfigError(
             f"base model folder {model_path} not found (or has no config.json); pass --model PATH"
         )
-    return state, model_path
+    return model_path
 
 
 def has_trained_modules(folder: str | Path) -> bool:
@@ -82,7 +82,9 @@ def export(folder: str | Path, out: str | Path, merge: bool = False, model_path:
     not an empty folder, before loading anything.
     """
     folder, out = Path(folder), Path(out)
-    _, model_path = resolve(folder, model_path)
+    state = verified_state(folder)
+    if merge:  # the adapter alone is copied as it is: no base model needed
+        model_path = base_model_path(state, model_path)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty folder; choose a new one")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -115,7 +115,7 @@ def format_report(report: dict[str, Any]) -> str:
     if "step" in report:
         lines.append(
             f"step       {report['step']} (epoch {report['epoch']}, restarts {report['restarts']}, "
-            f"saved by {report['world_size']} workers, format {report['format']})"
+            f"world size {report['world_size']}, format {report['format']})"
         )
     lines.append("files")
     for name, size in report["files"].items():

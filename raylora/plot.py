@@ -23,7 +23,7 @@ def restart_steps(rows: list[dict]) -> list[int]:
     """
     return [
         cur["step"] - 1
-        for prev, cur in zip(rows, rows[1:])
+        for prev, cur in zip(rows, rows[1:], strict=False)
         if cur.get("restarts", 0) > prev.get("restarts", 0)
     ]
 
@@ -83,11 +83,13 @@ def render(rows: list[dict], title: str = "") -> bytes:
 
 
 def plot(run_dir: str, out: str | None = None) -> str:
-    """Write the loss plot of the run folder `run_dir` (a path or a URI) to `out` (default RUN_DIR/loss.png)."""
+    """Write the loss plot of run folder `run_dir` (a path or a URI) to `out` (default RUN_DIR/loss.png)."""
     storage_path, name = posixpath.split(run_dir.rstrip("/"))
     rows = read_metrics(storage_path or ".", name)
     if not rows:
-        raise ConfigError(f"no metrics in {posixpath.join(run_dir, METRICS_FILE)}: is {run_dir} a run folder?")
+        raise ConfigError(
+            f"no metrics in {posixpath.join(run_dir, METRICS_FILE)}: is {run_dir} a run folder?"
+        )
     png = render(rows, title=name)
     out = out or posixpath.join(run_dir.rstrip("/"), "loss.png")
     fs, path = run_folder(*posixpath.split(out))

@@ -17,12 +17,20 @@ import transformers
 
 @functools.cache
 def image_only_processor_class(cls: type) -> type:
-    """A subclass of `cls` (same name, so saved folders name the real class) with no video processor."""
+    """A subclass of `cls` (same name, so saved folders name the real class) with no video processor.
 
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        cls.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+    transformers takes a processor's parts from `get_attributes()`: without `video_processor` there,
+    `from_pretrained` loads no video processor and `ProcessorMixin.__init__` ignores the `None` that
+    `cls.__init__` passes for it. `cls.__init__` itself is kept, so settings it takes by name (InternVL's
+    `image_seq_length`) are still saved and loaded.
+    """
 
-    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
+    def get_attributes(klass) -> list[str]:
+        return [a for a in cls.get_attributes() if a != "video_processor"]
+
+    return type(
+        cls.__name__, (cls,), {"get_attributes": classmethod(get_attributes), "__module__": cls.__module__}
+    )
 
 
 def load_processor(model_path: str | Path):

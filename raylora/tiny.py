@@ -1,16 +1,15 @@
 """Tiny vision-language models from transformers' own config classes: one builder per architecture.
 
-Each builder returns the config and the processor of a real model family, shrunk: width 64, 2 layers,
-a word-level tokenizer over the demo's words, and an image processor that upscales the 8x8 digits to
-16x16 (4 or 5 image tokens). The chat templates follow the real models' ones, so the tiny models are
-prompted as the real ones are. Nothing here downloads.
+Each builder returns the config and the processor of a real model family, shrunk (width 64, 2 layers
+by default): a word-level tokenizer over the demo's words, and an image processor that upscales the
+8x8 digits to 16x16 pixels, 4x4 patches, 4 image tokens (16 for Llava, which does not merge patches).
+The chat templates follow the real models' ones, so the tiny models are prompted as the real ones are.
+Processors whose transformers class wants a video processor (which needs torchvision) are built
+through `image_only_processor_class`. Imports are lazy so that the CLI can list the architectures
+without importing transformers.
 """
 
 from __future__ import annotations
-
-import torch
-
-from raylora.processor import image_only_processor_class
 
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 IMAGE_SIZE = 16  # pixels a side after the processor's resize: 4x4 patches of 4 px
@@ -34,14 +33,16 @@ SMOLVLM_CHAT_TEMPLATE = (  # Idefics3 / SmolVLM: "User:<image>...<end_of_utteran
     "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
     "{% if message['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
     "{% for c in message['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}"
-    "{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+    "{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 GEMMA3_CHAT_TEMPLATE = (  # the processor expands <start_of_image> into the image's soft tokens
-    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
-    "{% if message['role'] == 'assistant' %}model{% else %}{{ message['role'] }}{% endif %}\n"
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' }}"
     "{% for c in message['content'] %}{% if c['type'] == 'image' %}<start_of_image>{% else %}"
-    "{{ c['text'] | trim }}{% endif %}{% endfor %}<end_of_turn>\n{% endfor %}"
-    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    "{{ c['text'] | trim }}{% endif %}{% endfor %}{{ '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 INTERNVL_CHAT_TEMPLATE = (  # InternVL3 (-hf): Qwen2's turns, the image as <IMG_CONTEXT> on its own line
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -68,6 +69,7 @@ WORDS = ["USER", "ASSISTANT", "user", "assistant", ":", "?", ".", ",", "Which", 
 # Tokens that only some architectures need, appended after the shared vocabulary so that the llava and
 # qwen2_vl tokenizers stay what they were.
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+GEMMA3_TURN_TOKENS = ["<start_of_turn>", "<end_of_turn>"]
 GEMMA3_TOKENS = {
     "boi_token": "<start_of_image>",
     "eoi_token": "<end_of_image>",
@@ -168,7 +170,8 @@ def _qwen_vl_tokens(tokenizer) -> dict:
 def _qwen_vl_image_processor():
     from transformers import Qwen2VLImageProcessorPil
 
-    pixels = IMAGE_SIZE * IMAGE_SIZE  # every digit becomes a 16x16 image: 4x4 patches, 2x2 tokens after merging
+    # every digit becomes a 16x16 image: 4x4 patches, 2x2 tokens after merging
+    pixels = IMAGE_SIZE * IMAGE_SIZE
     return Qwen2VLImageProcessorPil(
         patch_size=PATCH_SIZE, merge_size=2, temporal_patch_size=2, min_pixels=pixels, max_pixels=pixels
     )
@@ -204,6 +207,8 @@ def _llava(width: int, layers: int):
 def _qwen2_vl(width: int, layers: int):
     from transformers import Qwen2VLConfig, Qwen2VLProcessor
 
+    from raylora.processor import image_only_processor_class
+
     tokenizer = build_tokenizer()
     config = Qwen2VLConfig(
         text_config=_mrope_text_config(tokenizer, width, layers),
@@ -227,6 +232,8 @@ def _qwen2_vl(width: int, layers: int):
 
 def _qwen2_5_vl(width: int, layers: int):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLProcessor
+
+    from raylora.processor import image_only_processor_class
 
     tokenizer = build_tokenizer()
     config = Qwen2_5_VLConfig(
@@ -281,7 +288,9 @@ def _idefics3(width: int, layers: int):
 def _gemma3(width: int, layers: int):
     from transformers import Gemma3Config, Gemma3ImageProcessorPil, Gemma3Processor, Gemma3TextConfig
 
-    tokenizer = build_tokenizer(named_tokens=GEMMA3_TOKENS, extra_words=["model"])
+    tokenizer = build_tokenizer(
+        extra_tokens=GEMMA3_TURN_TOKENS, named_tokens=GEMMA3_TOKENS, extra_words=["model"]
+    )
     tokens_per_image = 4  # the projector average-pools 4x4 patches down to 2x2 soft tokens
     head_dim = width // 4
     text = _text_config(tokenizer, width, layers)
@@ -289,7 +298,8 @@ def _gemma3(width: int, layers: int):
     ids = tokenizer.convert_tokens_to_ids
     config = Gemma3Config(
         text_config=Gemma3TextConfig(**text),
-        vision_config=dict(model_type="siglip_vision_model", **_vision(width, layers)),
+        # SigLIP without its pooling head, which Gemma3 does not use (its weights would get no gradient)
+        vision_config=dict(model_type="siglip_vision_model", vision_use_head=False, **_vision(width, layers)),
         mm_tokens_per_image=tokens_per_image,
         boi_token_index=ids(GEMMA3_TOKENS["boi_token"]),
         eoi_token_index=ids(GEMMA3_TOKENS["eoi_token"]),
@@ -306,8 +316,20 @@ def _gemma3(width: int, layers: int):
     return config, processor
 
 
+def _gemma3_weights(model) -> None:
+    """Gemma3 zero-initialises its image projection (real checkpoints hold trained values); a zero
+    projection would hide the image from the language model and give the vision tower no gradient."""
+    import torch
+
+    with torch.no_grad():
+        weight = model.model.multi_modal_projector.mm_input_projection_weight
+        weight.normal_(std=model.config.initializer_range)
+
+
 def _internvl(width: int, layers: int):
     from transformers import GotOcr2ImageProcessorPil, InternVLConfig, InternVLProcessor, Qwen2Config
+
+    from raylora.processor import image_only_processor_class
 
     tokenizer = build_tokenizer(named_tokens=INTERNVL_TOKENS)
     tokens_per_image = (IMAGE_SIZE // PATCH_SIZE // 2) ** 2  # downsample_ratio 0.5: 4x4 patches -> 2x2
@@ -332,6 +354,7 @@ def _internvl(width: int, layers: int):
     return config, processor
 
 
+# model_type -> a builder of (config, processor); raylora.assets.build_tiny_model turns them into a model.
 BUILDERS = {
     "llava": _llava,
     "qwen2_vl": _qwen2_vl,
@@ -340,22 +363,5 @@ BUILDERS = {
     "gemma3": _gemma3,
     "internvl": _internvl,
 }
-
-
-def build_tiny_model(arch: str, width: int = 64, layers: int = 2, seed: int = 0):
-    """Build (model, processor) for `arch` from config classes only: random weights, real structure."""
-    from transformers import AutoModelForImageTextToText
-
-    if arch not in BUILDERS:
-        raise ValueError(f"make-tiny-model: unknown --arch {arch!r}; choose one of {', '.join(BUILDERS)}")
-    torch.manual_seed(seed)
-    config, processor = BUILDERS[arch](width, layers)
-    tokenizer = processor.tokenizer
-    for cfg in (config, config.text_config):
-        cfg.pad_token_id = tokenizer.pad_token_id
-        cfg.eos_token_id = tokenizer.eos_token_id
-        cfg.bos_token_id = tokenizer.bos_token_id
-    model = AutoModelForImageTextToText.from_config(config)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model, processor
+# Weights that transformers' initialisation leaves unlike any trained model's, set after `from_config`.
+FIX_WEIGHTS = {"gemma3": _gemma3_weights}

@@ -12,8 +12,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_demo_survives_a_killed_worker_and_writes_its_summary(ray_cluster, tmp_path):
-    summary = demo(tmp_path, failure=True,
-                   overrides=["train.max_steps=12", "train.checkpoint_every=5", "fault.kill_at_step=7"])  # fmt: skip
+    summary = demo(
+        tmp_path,
+        failure=True,
+        overrides=["train.max_steps=12", "train.checkpoint_every=5", "fault.kill_at_step=7"],
+    )
     assert summary == json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["restarts"] == 1
     assert 0.0 <= summary["eval_accuracy"] <= 1.0 and summary["eval_samples"] == 359

@@ -1,0 +1,149 @@
+"""Every tested architecture in the registry: its tiny model's prefixes, batches, and a ZeRO-3 round trip.
+
+The fast tests load each tiny model folder as a worker does and check that the registry describes it;
+the distributed test trains each newer architecture for 2 steps on 2 Ray workers under ZeRO-3 and
+restores the checkpoint on 2 workers (Llava and Qwen2-VL go through the longer tests/test_resume.py).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import ray.train
+import torch
+import torch.nn.functional as F
+from ray.train.torch import TorchTrainer
+from transformers import AutoModelForImageTextToText
+
+from raylora import checkpoint
+from raylora.arch import REGISTRY, Architecture, detect, lora_target_regex
+from raylora.assets import TINY_ARCHS
+from raylora.data import IGNORE_INDEX, ImageTextData, make_batch
+from raylora.driver import run
+from raylora.processor import load_processor
+from tests.conftest import tiny_config
+from tests.test_resume import _restore_probe
+
+PARTS = ("language_model", "vision_tower", "aligner")
+NEWER_ARCHS = ["qwen2_5_vl", "idefics3", "gemma3", "internvl"]  # llava, qwen2_vl: tests/test_resume.py
+
+
+def test_tested_architectures_are_the_tiny_ones():
+    assert {a.model_type for a in REGISTRY.values() if a.tested} == set(TINY_ARCHS)
+    assert set(NEWER_ARCHS) < set(TINY_ARCHS)
+
+
+def _check_prefixes(model: torch.nn.Module, arch: Architecture) -> None:
+    """Each part's prefix names parameters of that part; LoRA targets lie under the language model only."""
+    names = [n for n, _ in model.named_parameters()]
+    for part in PARTS:
+        prefix = getattr(arch, part) + "."
+        assert any(n.startswith(prefix) for n in names), f"{part} prefix {prefix} matches no parameter"
+        assert any(arch.part_of(n) == part for n in names), f"no parameter belongs to {part}"
+    regex = re.compile(lora_target_regex(model, arch, None))
+    targets = [n for n, _ in model.named_modules() if regex.match(n)]
+    assert targets, "no LoRA targets"
+    assert all(arch.part_of(n + ".weight") == "language_model" for n in targets)
+    assert any(".self_attn." in n for n in targets) and any(".mlp." in n for n in targets)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_registry_prefixes_match_tiny_model(arch, tiny_models):
+    folder = tiny_models(arch)
+    entry = detect(folder)
+    assert entry.model_type == arch and entry.tested
+    _check_prefixes(AutoModelForImageTextToText.from_pretrained(folder), entry)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_batch_feeds_forward_and_every_part_learns(arch, tiny_models, digits):
+    """make_batch on the folder's processor gives a batch the model takes, for training and generation."""
+    folder = tiny_models(arch)
+    entry = detect(folder)
+    processor = load_processor(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    data = ImageTextData(str(digits[0]))
+    examples = [data.example(i) for i in range(3)]
+    batch = make_batch(processor, examples)
+    labels = batch.pop("labels")
+    tok = processor.tokenizer
+    for row, (_, _, answer) in zip(labels, examples, strict=True):
+        kept = row[row != IGNORE_INDEX].tolist()
+        assert tok.decode(kept[:-1]) == answer and kept[-1] == tok.eos_token_id
+    model.train()
+    logits = model(**batch).logits
+    assert logits.shape[:2] == labels.shape
+    loss = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
+    )
+    assert math.isfinite(loss.item())
+    loss.backward()
+    # the image reaches the loss: every part (the vision tower and aligner through the image tokens) learns
+    for part in PARTS:
+        grads = [p.grad for n, p in model.named_parameters() if entry.part_of(n) == part]
+        assert any(g is not None and g.abs().sum() > 0 for g in grads), f"{part} gets no gradient"
+    model.eval()
+    prompts = make_batch(processor, examples, with_answers=False)
+    out = model.generate(**prompts, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape[0] == len(examples) and out.shape[1] > prompts["input_ids"].shape[1]
+
+
+def test_mistral3_prefixes_match_model_from_config():
+    """Registered but untested (no processor without torchvision): its prefixes still match the model."""
+    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
+
+    config = Mistral3Config(
+        vision_config=PixtralVisionConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            head_dim=16,
+            image_size=16,
+            patch_size=4,
+        ),
+        text_config=MistralConfig(
+            vocab_size=64,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            head_dim=16,
+        ),
+        image_token_index=10,
+    )
+    assert not REGISTRY["mistral3"].tested
+    _check_prefixes(AutoModelForImageTextToText.from_config(config), REGISTRY["mistral3"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", NEWER_ARCHS)
+def test_zero3_two_steps_then_restore_equals_checkpoint(arch, ray_cluster, tiny_models, digits, tmp_path):
+    model_dir = tiny_models(arch)
+    overrides = ["train.max_steps=2", "train.checkpoint_every=2"]
+    result = run(tiny_config(model_dir, digits[0], tmp_path, f"two-steps-{arch}", *overrides))
+    assert result.error is None
+    assert math.isfinite(result.metrics["loss"])
+    with result.checkpoint.as_directory() as folder:
+        loaded = checkpoint.load(folder)
+        assert loaded.state.step == 2
+        entry = REGISTRY[arch]
+        trained = {entry.part_of(n) for n in loaded.state.trainable}
+        assert trained == set(PARTS), f"trained parts {trained}: LoRA, vision tower and aligner expected"
+        cfg = tiny_config(model_dir, digits[0], tmp_path, f"probe-{arch}", *overrides)
+        trainer = TorchTrainer(
+            lambda: _restore_probe(cfg, folder),
+            scaling_config=ray.train.ScalingConfig(num_workers=2),
+            run_config=ray.train.RunConfig(name=f"probe-{arch}", storage_path=str(tmp_path)),
+        )
+        probe = trainer.fit().return_value
+    assert probe["step"] == 2
+    assert probe["lr"] == loaded.state.scheduler["_last_lr"][0]
+    assert probe["moments_nonzero"]
+    assert probe["params_equal"], "model parameters differ from the checkpoint after restore"
+    assert probe["masters_equal"], "fp32 masters differ from the checkpoint: a step would undo the load"
+    assert probe["moments_equal"]

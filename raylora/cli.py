@@ -29,6 +29,25 @@ def _train(args) -> int:
     return 0
 
 
+def _tune(args) -> int:
+    from raylora.tune import best, run_tune
+
+    results = run_tune(
+        args.config,
+        args.overrides,
+        args.space,
+        num_samples=args.num_samples,
+        max_concurrent=args.max_concurrent,
+        resume=args.resume,
+        metric=args.metric,
+        mode=args.mode,
+    )
+    summary = best(results, args.metric, args.mode)
+    print(json.dumps(summary, indent=2, default=str))
+    print(f"best trial: {args.metric}={summary['value']} checkpoint={summary['checkpoint']}")
+    return 1 if summary["errors"] else 0
+
+
 def _demo(args) -> int:
     from raylora.demo import demo
 
@@ -104,6 +123,20 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="YAML config file")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-4")
     t.set_defaults(fn=_train)
+    tu = sub.add_parser("tune", help="a Ray Tune sweep of raylora runs; --resume finishes an interrupted one")
+    tu.add_argument("config", help="base YAML config; each trial's run name is run.name plus its trial id")
+    tu.add_argument("overrides", nargs="*", help="dotted key=value overrides of the base config")
+    tu.add_argument(
+        "--space", help="search space YAML: config key -> {choice|grid|uniform|loguniform|randint}"
+    )
+    tu.add_argument("--num-samples", type=int, default=4, help="trials to sample (default 4)")
+    tu.add_argument(
+        "--max-concurrent", type=int, default=None, help="trials running at once (default: as fit)"
+    )
+    tu.add_argument("--metric", default="loss", help="metric that ranks trials (default loss)")
+    tu.add_argument("--mode", default="min", choices=["min", "max"])
+    tu.add_argument("--resume", action="store_true", help="restore the sweep and finish unfinished trials")
+    tu.set_defaults(fn=_tune)
     d = sub.add_parser("demo", help="tiny model + digits, 2 workers, one killed mid-run, then evaluate")
     d.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     d.add_argument("--no-failure", action="store_true", help="do not kill a worker mid-run")

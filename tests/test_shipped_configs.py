@@ -9,10 +9,23 @@ import pytest
 from raylora import config
 
 ROOT = Path(__file__).resolve().parent.parent
-CONFIGS = sorted((ROOT / "jobs").glob("*.yaml"))
+NOT_RUN_CONFIGS = {"runtime_env.yaml", "tune-space.yaml"}
+CONFIGS = sorted(p for p in (ROOT / "jobs").glob("*.yaml") if p.name not in NOT_RUN_CONFIGS)
 
 
-@pytest.mark.parametrize("path", [p for p in CONFIGS if p.name != "runtime_env.yaml"], ids=lambda p: p.name)
+def test_every_shipped_yaml_is_checked():
+    names = {p.name for p in (ROOT / "jobs").glob("*.yaml")}
+    assert names == {p.name for p in CONFIGS} | NOT_RUN_CONFIGS
+
+
+def test_tune_space_loads():
+    from raylora.tune import load_space
+
+    space = load_space(ROOT / "jobs" / "tune-space.yaml", config.load(ROOT / "jobs" / "tiny.yaml"))
+    assert set(space) == {"train.lr", "lora.r"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_shipped_config_loads(path):
     cfg = config.load(path)
     assert cfg.model.path and cfg.data.train and cfg.run.name

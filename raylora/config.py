@@ -7,6 +7,8 @@ to the workers, so a worker never reads a loose dict.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -46,6 +48,8 @@ class DataConfig:
     """Training Parquet file (a path or any pyarrow filesystem URI) with columns image, prompt, answer."""
     eval: str | None = None
     """Held-out Parquet file with the same columns, for evaluation."""
+    on_bad_row: str = "skip"
+    """A row whose image does not decode or whose answer is empty: `skip` (counted, reported) or `error`."""
 
 
 @dataclass
@@ -81,8 +85,8 @@ class TrainConfig:
 
 @dataclass
 class ScalingConfig:
-    num_workers: int = 2
-    """Ray Train workers, one per GPU (or CPU slot)."""
+    num_workers: int | list[int] = 2
+    """Ray Train workers, one per GPU (or CPU slot); a [min, max] pair asks Ray for elastic training."""
     use_gpu: bool = False
     """One GPU per worker, NCCL and bf16; false: CPU, gloo and fp32."""
     cpus_per_worker: float = 1.0
@@ -103,10 +107,12 @@ class RunConfig:
 
 @dataclass
 class FaultConfig:
-    kill_at_step: int | None = None
-    """Fault drill: a worker kills its own process before this step (once: not after a resume)."""
+    kill_at_steps: list[int] = field(default_factory=list)
+    """Fault drill: before each of these steps a worker kills its own process, once per step."""
     kill_rank: int = 1
     """Fault drill: the rank that kills itself."""
+    kill_while_checkpointing: bool = False
+    """Fault drill: kill while the checkpoint of that step is being written instead (step must be one)."""
 
 
 @dataclass
@@ -130,8 +136,15 @@ class Config:
         return dataclasses.asdict(self)
 
     @property
+    def world_sizes(self) -> list[int]:
+        """Every number of workers the run may have: one, or each of an elastic [min, max] range."""
+        n = self.scaling.num_workers
+        return list(range(n[0], n[1] + 1)) if isinstance(n, list) else [n]
+
+    @property
     def world_size(self) -> int:
-        return self.scaling.num_workers
+        """The most workers the run may have."""
+        return self.world_sizes[-1]
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro batches per rank per step, so the global batch does not depend on the worker count."""
@@ -157,7 +170,9 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if origin is list:
         (item,) = typing.get_args(tp)
         if isinstance(value, str):  # `key=a,b` on the command line
-            value = [v for v in value.split(",") if v]
+            value = [yaml.safe_load(v) for v in value.split(",") if v]
+        elif not isinstance(value, list):  # `key=3` for a one-element list
+            value = [value]
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
         return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -247,7 +262,6 @@ def validate(cfg: Config) -> None:
         "train.global_batch_size": t.global_batch_size,
         "train.micro_batch_size": t.micro_batch_size,
         "train.checkpoint_every": t.checkpoint_every,
-        "scaling.num_workers": s.num_workers,
         "run.num_to_keep": cfg.run.num_to_keep,
     }
     for key, value in positive.items():
@@ -259,16 +273,90 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.lr and train.vision_lr must be positive, got {t.lr} and {t.vision_lr}")
     if t.warmup_steps < 0 or cfg.run.max_failures < 0:
         raise ConfigError("train.warmup_steps and run.max_failures must not be negative")
-    per_step = t.micro_batch_size * s.num_workers
-    if t.global_batch_size % per_step:
+    n = s.num_workers
+    if isinstance(n, list) and (len(n) != 2 or not 0 < n[0] <= n[1]):
         raise ConfigError(
-            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-            f"train.micro_batch_size x scaling.num_workers "
-            f"({t.micro_batch_size} x {s.num_workers} = {per_step})"
+            f"scaling.num_workers must be a count or a [min, max] pair with 0 < min <= max, got {n}"
         )
+    if isinstance(n, int) and n <= 0:
+        raise ConfigError(f"scaling.num_workers must be positive, got {n}")
+    for world in cfg.world_sizes:
+        per_step = t.micro_batch_size * world
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                f"train.micro_batch_size x scaling.num_workers "
+                f"({t.micro_batch_size} x {world} = {per_step}), for every number of workers the run may have"
+            )
+    if cfg.data.on_bad_row not in ("skip", "error"):
+        raise ConfigError(f"data.on_bad_row must be skip or error, got {cfg.data.on_bad_row!r}")
     if not cfg.model.path:
         raise ConfigError("model.path is required: a local Hugging Face model folder")
     if not cfg.data.train:
         raise ConfigError("data.train is required: a Parquet file with columns image, prompt, answer")
     if not cfg.run.name or "/" in cfg.run.name:
         raise ConfigError(f"run.name must be a non-empty name without '/', got {cfg.run.name!r}")
+
+
+def storage_path(cfg: Config) -> str:
+    """Ray wants an absolute local path or a URI."""
+    path = cfg.run.storage_path
+    return path if "://" in path else os.path.abspath(path)
+
+
+_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_))", re.IGNORECASE)
+
+
+def redact(data: Any) -> Any:
+    """A copy of plain config data safe to save: no URI credentials, no values of secret env variables.
+
+    Checkpoints and logs travel; a token pasted into a storage URI (`s3://KEY:SECRET@bucket`,
+    `?access_key=...`) or read from the environment must not travel with them.
+    """
+    secrets = {v for k, v in os.environ.items() if _SECRET_NAME.search(k) and len(v) >= 8}
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        if not isinstance(value, str):
+            return value
+        value = re.sub(r"^([a-zA-Z][\w+.-]*://)[^/@]*@", r"\1***@", value)
+        value = re.sub(
+            r"([?&][^=&]*(?:key|secret|token|password|signature)[^=&]*=)[^&]*",
+            r"\1***",
+            value,
+            flags=re.IGNORECASE,
+        )
+        for secret in secrets:
+            value = value.replace(secret, "***")
+        return value
+
+    return clean(data)
+
+
+def markdown_reference() -> str:
+    """The README's config table, generated from the dataclasses and their field docstrings."""
+    import ast
+    import inspect
+
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    hints = typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
+        cls = hints[section.name]
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body
+        docs = {
+            a.target.id: " ".join(b.value.value.split())
+            for a, b in zip(body, body[1:], strict=False)
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+        }
+        default = cls()
+        for f in dataclasses.fields(cls):
+            tp = str(typing.get_type_hints(cls)[f.name]).replace("<class '", "").replace("'>", "")
+            tp = tp.replace(" | None", " or null").replace(" | ", " or ")
+            rows.append(
+                f"| `{section.name}.{f.name}` | {tp} | `{getattr(default, f.name)!r}` | {docs[f.name]} |"
+            )
+    return "\n".join(rows)

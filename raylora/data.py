@@ -54,16 +54,54 @@ def check_parquet(uri: str, key: str) -> int:
     return meta.num_rows
 
 
-class ImageTextData:
-    """The rows of one Parquet file, decoded lazily (each worker decodes only the samples it uses)."""
+class BadRowError(ConfigError):
+    """A data row that cannot be trained on, with `data.on_bad_row: error`."""
 
-    def __init__(self, uri: str):
+
+def bad_row_reason(image: bytes | None, prompt: str | None, answer: str | None) -> str | None:
+    """Why a row cannot be trained on, or None. Checked once, up front, so that no worker dies on a
+    cryptic trace from inside a collate function halfway through a run."""
+    if not answer or not answer.strip():
+        return "empty answer"
+    if prompt is None:
+        return "missing prompt"
+    if not image:
+        return "missing image"
+    try:
+        with Image.open(io.BytesIO(image)) as img:
+            img.verify()  # header and structure, without decoding every pixel
+    except Exception as err:  # PIL raises many types for a broken file
+        return f"image does not decode ({type(err).__name__}: {err})"
+    return None
+
+
+class ImageTextData:
+    """The usable rows of one Parquet file, decoded lazily (each worker decodes only what it uses).
+
+    Rows whose image does not decode or whose answer is empty are skipped and counted
+    (`on_bad_row="skip"`), or stop everything with the row number (`on_bad_row="error"`).
+    """
+
+    def __init__(self, uri: str, on_bad_row: str = "skip"):
         fs, path = _resolve(uri)
         table = pq.read_table(path, filesystem=fs, columns=list(REQUIRED_COLUMNS))
         self.uri = uri
-        self.images = table.column("image").to_pylist()
-        self.prompts = table.column("prompt").to_pylist()
-        self.answers = table.column("answer").to_pylist()
+        images = table.column("image").to_pylist()
+        prompts = table.column("prompt").to_pylist()
+        answers = table.column("answer").to_pylist()
+        self.bad_rows: list[tuple[int, str]] = []
+        keep = []
+        for row, (image, prompt, answer) in enumerate(zip(images, prompts, answers, strict=True)):
+            reason = bad_row_reason(image, prompt, answer)
+            if reason is None:
+                keep.append(row)
+            elif on_bad_row == "error":
+                raise BadRowError(f"{uri}: row {row}: {reason} (data.on_bad_row: error)")
+            else:
+                self.bad_rows.append((row, reason))
+        self.images = [images[i] for i in keep]
+        self.prompts = [prompts[i] for i in keep]
+        self.answers = [answers[i] for i in keep]
 
     def __len__(self) -> int:
         return len(self.answers)

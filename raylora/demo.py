@@ -63,7 +63,7 @@ def demo(
         f"run.name={run_name}",
     ]
     if failure:
-        settings.append("fault.kill_at_step=250")
+        settings.append("fault.kill_at_steps=250")
     cfg = config.load(None, settings + list(overrides or []))
     init_ray(num_cpus=max(os.cpu_count() or 2, cfg.world_size))
     result = run(cfg)

@@ -11,9 +11,10 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from raylora.arch import Architecture, detect
-from raylora.config import Config, ConfigError
-from raylora.data import check_parquet
+from raylora.config import Config, ConfigError, storage_path
+from raylora.data import ImageTextData, check_parquet
 from raylora.progress import MetricsLog
+from raylora.resume import check_resume
 from raylora.worker import train_loop_per_worker
 
 log = logging.getLogger("raylora")
@@ -36,17 +37,14 @@ def preflight(cfg: Config) -> Architecture:
         )
     if cfg.data.eval:
         check_parquet(cfg.data.eval, "data.eval")
-    if cfg.fault.kill_at_step is not None and not 0 <= cfg.fault.kill_rank < cfg.scaling.num_workers:
+    if cfg.fault.kill_at_steps and not 0 <= cfg.fault.kill_rank < cfg.world_sizes[0]:
         raise ConfigError(
-            f"fault.kill_rank {cfg.fault.kill_rank} is not a rank of {cfg.scaling.num_workers} workers"
+            f"fault.kill_rank {cfg.fault.kill_rank} is not a rank of {cfg.world_sizes[0]} workers"
         )
+    if cfg.data.on_bad_row == "error":  # fail here, not in every worker after Ray has started
+        ImageTextData(cfg.data.train, "error")
+    check_resume(cfg)
     return arch
-
-
-def storage_path(cfg: Config) -> str:
-    """Ray wants an absolute local path or a URI."""
-    path = cfg.run.storage_path
-    return path if "://" in path else os.path.abspath(path)
 
 
 def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
@@ -59,7 +57,7 @@ def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
     return TorchTrainer(
         lambda: train_loop_per_worker(cfg),
         scaling_config=ray.train.ScalingConfig(
-            num_workers=cfg.scaling.num_workers,
+            num_workers=tuple(n) if isinstance(n := cfg.scaling.num_workers, list) else n,
             use_gpu=cfg.scaling.use_gpu,
             resources_per_worker={"CPU": cfg.scaling.cpus_per_worker},
         ),

@@ -25,6 +25,11 @@ def build_model(cfg: Config, arch: Architecture, ds_config: dict) -> tuple[peft.
     dtype = torch.bfloat16 if cfg.scaling.use_gpu else torch.float32
     model = AutoModelForImageTextToText.from_pretrained(cfg.model.path, dtype=dtype)
     model.config.use_cache = False
+    return add_lora(model, cfg, arch), zero3
+
+
+def add_lora(model: torch.nn.Module, cfg: Config, arch: Architecture) -> peft.PeftModel:
+    """Wrap the base model with a fresh LoRA adapter on its language model's linear layers."""
     lora = peft.LoraConfig(
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,
@@ -35,7 +40,7 @@ def build_model(cfg: Config, arch: Architecture, ds_config: dict) -> tuple[peft.
     # LoRA tensors are created as plain tensors on every rank; the same seed makes them identical,
     # which ZeRO-3 assumes when it partitions them at `deepspeed.initialize`.
     torch.manual_seed(cfg.train.seed)
-    return peft.get_peft_model(model, lora), zero3
+    return peft.get_peft_model(model, lora)
 
 
 def base_name(name: str) -> str:

@@ -23,7 +23,7 @@ import yaml
 from ray import tune
 
 from raylora import config
-from raylora.config import ConfigError
+from raylora.config import ConfigError, storage_path
 
 log = logging.getLogger("raylora")
 
@@ -91,8 +91,6 @@ def make_driver(base: dict[str, Any]):
 
 
 def experiment_path(cfg: config.Config) -> str:
-    from raylora.driver import storage_path
-
     return posixpath.join(storage_path(cfg), f"{cfg.run.name}-tune")
 
 

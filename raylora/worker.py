@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import shutil
 import signal
 import tempfile
@@ -21,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 
 import deepspeed
+import pyarrow.fs
 import ray.train
 import torch
 import torch.distributed as dist
@@ -28,11 +30,13 @@ import torch.nn.functional as F
 from transformers import get_cosine_schedule_with_warmup
 
 from raylora import checkpoint, zero
-from raylora.arch import detect
-from raylora.config import Config
+from raylora.arch import Architecture, detect
+from raylora.config import Config, redact, storage_path
 from raylora.data import IGNORE_INDEX, GlobalSampler, ImageTextData, answer_ids, make_batch
 from raylora.model import build_model, is_lora, module_groups, set_trainable, shapes, trainable_parameters
 from raylora.processor import load_processor
+from raylora.progress import run_folder
+from raylora.resume import base_model_fingerprint, load_intact
 
 log = logging.getLogger("raylora")
 
@@ -51,6 +55,7 @@ class Setup:
     answer_tokens: list[int]
     rank: int
     world_size: int
+    arch: Architecture
     step: int = 0
     restarts: int = 0
     resumed: bool = False
@@ -84,7 +89,12 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
     )
     del zero3  # transformers no longer needs to see the ZeRO-3 config once the engine exists
 
-    data = ImageTextData(cfg.data.train)
+    data = ImageTextData(cfg.data.train, cfg.data.on_bad_row)
+    if data.bad_rows and rank == 0:
+        row, reason = data.bad_rows[0]
+        log.warning(
+            "skipped %d bad rows of %s (first: row %d, %s)", len(data.bad_rows), data.uri, row, reason
+        )
     processor = load_processor(cfg.model.path)
     s = Setup(
         cfg=cfg,
@@ -97,6 +107,7 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
         answer_tokens=[len(answer_ids(processor, a)) for a in data.answers],
         rank=rank,
         world_size=world,
+        arch=arch,
     )
     if restore_from is not None:
         st = restore_from.state
@@ -148,6 +159,7 @@ def train_step(s: Setup) -> dict[str, float]:
         "max_steps": cfg.train.max_steps,
         "epoch": s.sampler.epoch(step),
         "restarts": s.restarts,
+        "bad_rows": len(s.data.bad_rows),
     }
 
 
@@ -155,6 +167,7 @@ def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
     """Gather the trainable state (every rank takes part) and write it on rank 0."""
     gathered = zero.gather_trainable_state(s.engine, s.params)
     if s.rank != 0:
+        maybe_kill(s, while_checkpointing=True)
         return None
     weights, moments = gathered
     state = checkpoint.TrainState(
@@ -168,21 +181,40 @@ def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
         scheduler=s.scheduler.state_dict(),
         world_size=s.world_size,
         trainable=shapes(s.params),
-        config=s.cfg.to_dict(),
+        config=redact(s.cfg.to_dict()),
         versions=checkpoint.versions(),
         restarts=s.restarts,
+        extra={"arch": s.arch.model_type, "base_model": base_model_fingerprint(s.cfg.model.path)},
     )
     folder = tempfile.mkdtemp(prefix=f"raylora-step{s.step}-")
     checkpoint.save(folder, weights, moments, state, s.engine.module.peft_config["default"])
+    maybe_kill(s, while_checkpointing=True)  # written locally, not yet handed to Ray
     return ray.train.Checkpoint.from_directory(folder)
 
 
-def maybe_kill(s: Setup) -> None:
-    """Fault drill: the configured rank kills its own process, once per run (never after a resume)."""
+def maybe_kill(s: Setup, while_checkpointing: bool = False) -> None:
+    """Fault drill: the configured rank kills its own process at each configured step, once.
+
+    A marker file in the run folder remembers each drill that fired, so the resumed run, which trains
+    that step again, goes on.
+    """
     f = s.cfg.fault
-    if f.kill_at_step is not None and s.step == f.kill_at_step and s.rank == f.kill_rank and not s.resumed:
-        log.warning("fault drill: rank %d kills itself before step %d", s.rank, s.step)
-        os.kill(os.getpid(), signal.SIGKILL)
+    if (
+        s.step not in f.kill_at_steps
+        or s.rank != f.kill_rank
+        or while_checkpointing != f.kill_while_checkpointing
+    ):
+        return
+    fs, folder = run_folder(storage_path(s.cfg), s.cfg.run.name)
+    marker = posixpath.join(folder, f".raylora-drill-step{s.step}")
+    if fs.get_file_info(marker).type != pyarrow.fs.FileType.NotFound:
+        return
+    fs.create_dir(folder, recursive=True)
+    with fs.open_output_stream(marker) as out:
+        out.write(b"fired\n")
+    where = "while writing the checkpoint of" if while_checkpointing else "before"
+    log.warning("fault drill: rank %d kills itself %s step %d", s.rank, where, s.step)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train_loop_per_worker(cfg: Config) -> list[dict]:
@@ -195,8 +227,7 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
     restore_from = None
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
-        with ckpt.as_directory() as folder:
-            restore_from = checkpoint.load(folder)
+        restore_from = load_intact(ckpt)  # falls back past torn or damaged checkpoints
     s = setup(cfg, restore_from)
     if s.rank == 0 and s.resumed:
         log.info("resumed from checkpoint at step %d (restart %d)", s.step, s.restarts)

@@ -15,7 +15,7 @@ def test_demo_survives_a_killed_worker_and_writes_its_summary(ray_cluster, tmp_p
     summary = demo(
         tmp_path,
         failure=True,
-        overrides=["train.max_steps=12", "train.checkpoint_every=5", "fault.kill_at_step=7"],
+        overrides=["train.max_steps=12", "train.checkpoint_every=5", "fault.kill_at_steps=7"],
     )
     assert summary == json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 12 and summary["restarts"] == 1

@@ -30,7 +30,7 @@ def runs(request, ray_cluster, tiny_models, digits, tmp_path_factory):
     storage = tmp_path_factory.mktemp(f"runs-{arch}")
     model_dir = tiny_models(arch)
     straight = run(tiny_config(model_dir, digits[0], storage, "straight"))
-    killed = run(tiny_config(model_dir, digits[0], storage, "killed", f"fault.kill_at_step={KILL_AT}"))
+    killed = run(tiny_config(model_dir, digits[0], storage, "killed", f"fault.kill_at_steps={KILL_AT}"))
     assert straight.error is None and killed.error is None
     return {"arch": arch, "model_dir": model_dir, "straight": straight, "killed": killed, "storage": storage}
 

@@ -45,6 +45,12 @@ def test_runtime_env_is_valid():
     assert "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" in env["env_vars"]
 
 
+def test_readme_config_table_is_current():
+    assert config.markdown_reference() in (ROOT / "README.md").read_text(), (
+        "README's config table is stale: paste raylora.config.markdown_reference()"
+    )
+
+
 def test_readme_documents_every_config_key():
     import dataclasses
     import typing

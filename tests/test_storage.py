@@ -20,7 +20,7 @@ def test_run_resumes_from_uri_storage(ray_cluster, tiny_models, digits, tmp_path
         storage,
         "uri",
         "train.max_steps=4",
-        "fault.kill_at_step=3",
+        "fault.kill_at_steps=3",
     )
     result = run(cfg)
     assert result.error is None

@@ -54,7 +54,7 @@ def test_failed_trial_is_retried_and_resumes_its_own_run(ray_cluster, tiny_model
         "sweep",
         "train.max_steps=4",
         "run.max_failures=0",
-        "fault.kill_at_step=3",
+        "fault.kill_at_steps=3",
         "fault.kill_rank=0",
     )
     results = run_tune(None, overrides, str(space), num_samples=1, max_concurrent=2)

@@ -111,8 +111,8 @@ class FaultConfig:
     """Fault drill: before each of these steps a worker kills its own process, once per step."""
     kill_rank: int = 1
     """Fault drill: the rank that kills itself."""
-    kill_while_checkpointing: bool = False
-    """Fault drill: kill while the checkpoint of that step is being written instead (step must be one)."""
+    kill_checkpoint_steps: list[int] = field(default_factory=list)
+    """Fault drill: the rank kills itself while writing the checkpoint of each of these steps, once."""
 
 
 @dataclass

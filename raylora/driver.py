@@ -37,7 +37,9 @@ def preflight(cfg: Config) -> Architecture:
         )
     if cfg.data.eval:
         check_parquet(cfg.data.eval, "data.eval")
-    if cfg.fault.kill_at_steps and not 0 <= cfg.fault.kill_rank < cfg.world_sizes[0]:
+    if (
+        cfg.fault.kill_at_steps or cfg.fault.kill_checkpoint_steps
+    ) and not 0 <= cfg.fault.kill_rank < cfg.world_sizes[0]:
         raise ConfigError(
             f"fault.kill_rank {cfg.fault.kill_rank} is not a rank of {cfg.world_sizes[0]} workers"
         )

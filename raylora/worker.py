@@ -199,14 +199,12 @@ def maybe_kill(s: Setup, while_checkpointing: bool = False) -> None:
     that step again, goes on.
     """
     f = s.cfg.fault
-    if (
-        s.step not in f.kill_at_steps
-        or s.rank != f.kill_rank
-        or while_checkpointing != f.kill_while_checkpointing
-    ):
+    steps = f.kill_checkpoint_steps if while_checkpointing else f.kill_at_steps
+    if s.step not in steps or s.rank != f.kill_rank:
         return
     fs, folder = run_folder(storage_path(s.cfg), s.cfg.run.name)
-    marker = posixpath.join(folder, f".raylora-drill-step{s.step}")
+    kind = "checkpoint" if while_checkpointing else "step"
+    marker = posixpath.join(folder, f".raylora-drill-{kind}{s.step}")
     if fs.get_file_info(marker).type != pyarrow.fs.FileType.NotFound:
         return
     fs.create_dir(folder, recursive=True)

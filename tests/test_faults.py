@@ -1,0 +1,210 @@
+"""What raylora survives: many faults in one run, other worker counts, damaged checkpoints, mismatches.
+
+Real Ray workers and DeepSpeed ZeRO-3 on CPU. Each test compares against an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from raylora import checkpoint
+from raylora.config import ConfigError
+from raylora.driver import run
+from raylora.progress import read_metrics
+from tests.conftest import tiny_config
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+STEPS = 10
+
+
+def _final(result) -> checkpoint.Loaded:
+    with result.checkpoint.as_directory() as folder:
+        return checkpoint.load(folder)
+
+
+def _checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir())
+
+
+@pytest.fixture(scope="module")
+def straight(ray_cluster, tiny_models, digits, tmp_path_factory):
+    """The uninterrupted reference run (2 workers, dropout on)."""
+    storage = tmp_path_factory.mktemp("faults")
+    result = run(
+        tiny_config(tiny_models("llava"), digits[0], storage, "straight", f"train.max_steps={STEPS}")
+    )
+    assert result.error is None
+    return storage, _final(result)
+
+
+def _kill_random_workers(times: int, stop: threading.Event, seed: int = 7) -> list[int]:
+    """Kill a random live Ray Train worker at random moments, `times` times."""
+    import os
+    import signal
+
+    from ray.util.state import list_actors
+
+    rng, killed = random.Random(seed), []
+    while len(killed) < times and not stop.is_set():
+        time.sleep(rng.uniform(4.0, 9.0))
+        workers = [
+            a
+            for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+            if a.pid
+        ]
+        if len(workers) < 2 or stop.is_set():
+            continue
+        pid = rng.choice(workers).pid
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
+    return killed
+
+
+def test_many_faults_in_one_run_end_bitwise_equal(straight, tiny_models, digits):
+    storage, reference = straight
+    # drills: rank 0 dies before step 3 and again while writing the step-6 checkpoint; meanwhile two
+    # random workers are killed at random moments from outside
+    cfg = tiny_config(
+        tiny_models("llava"),
+        digits[0],
+        storage,
+        "many",
+        f"train.max_steps={STEPS}",
+        "run.max_failures=10",
+        "fault.kill_rank=0",
+        "fault.kill_at_steps=3",
+        "fault.kill_checkpoint_steps=6",
+    )
+    stop, killed = threading.Event(), []
+    killer = threading.Thread(target=lambda: killed.extend(_kill_random_workers(2, stop)), daemon=True)
+    killer.start()
+    try:
+        result = run(cfg)
+    finally:
+        stop.set()
+        killer.join()
+    assert result.error is None
+    assert len(killed) == 2, "the random killer should have struck twice during the run"
+    final = _final(result)
+    assert final.state.step == STEPS
+    assert final.state.restarts >= 3, final.state.restarts
+    for name, value in reference.weights.items():
+        assert torch.equal(value, final.weights[name]), (
+            f"{name} differs after {final.state.restarts} restarts"
+        )
+    for name, value in reference.moments.items():
+        assert torch.equal(value, final.moments[name]), name
+
+
+def test_kill_while_checkpointing_then_resume_bitwise(straight, tiny_models, digits):
+    storage, reference = straight
+    cfg = tiny_config(
+        tiny_models("llava"),
+        digits[0],
+        storage,
+        "ckpt-drill",
+        f"train.max_steps={STEPS}",
+        "fault.kill_checkpoint_steps=4,6",
+        "fault.kill_rank=0",
+    )
+    result = run(cfg)
+    assert result.error is None
+    final = _final(result)
+    assert final.state.restarts == 2
+    rows = read_metrics(str(storage), "ckpt-drill")
+    # each kill lost the unreported checkpoint it was writing: resumed from step 2, then from step 4
+    assert [r["step"] for r in rows if r["restarts"] == 1][0] == 3
+    assert [r["step"] for r in rows if r["restarts"] == 2][0] == 5
+    for name, value in reference.weights.items():
+        assert torch.equal(value, final.weights[name]), name
+
+
+def test_other_worker_counts_2_1_2(straight, tiny_models, digits):
+    storage, _ = straight
+    base = [f"train.max_steps={STEPS}", "lora.dropout=0.0", "run.max_failures=0", "fault.kill_rank=0"]
+    model, data = tiny_models("llava"), digits[0]
+    reference = run(tiny_config(model, data, storage, "elastic-ref", *base))
+    # 2 workers until step 4 (the drill then fails the run), 1 worker until step 8, 2 workers to the end
+    first = run(tiny_config(model, data, storage, "elastic", *base, "fault.kill_at_steps=5"))
+    assert first.error is not None
+    second = run(
+        tiny_config(model, data, storage, "elastic", *base, "fault.kill_at_steps=9", "scaling.num_workers=1")
+    )
+    assert second.error is not None
+    third = run(tiny_config(model, data, storage, "elastic", *base, "scaling.num_workers=2"))
+    assert third.error is None
+    ref, got = _final(reference), _final(third)
+    assert got.state.step == STEPS and got.state.world_size == 2 and got.state.restarts == 2
+    rows = read_metrics(str(storage), "elastic")
+    assert [r["step"] for r in rows if r["restarts"] == 1][0] == 5  # resumed on 1 worker at the step-4 ckpt
+    worst = 0.0
+    for name, value in ref.weights.items():
+        scale = value.abs().max().clamp_min(1e-12)
+        worst = max(worst, float((value - got.weights[name]).abs().max() / scale))
+    assert worst <= 1e-5, f"relative difference {worst:.2e} after resuming on other worker counts"
+
+
+def test_damaged_latest_checkpoint_falls_back_to_intact_one(straight, tiny_models, digits, caplog):
+    storage, _ = straight
+    model, data = tiny_models("llava"), digits[0]
+    run_dir = storage / "damaged"
+    assert run(tiny_config(model, data, storage, "damaged", "train.max_steps=6")).error is None
+    folders = _checkpoints(run_dir)  # steps 2, 4, 6
+    (folders[-1] / checkpoint.OPTIMIZER).write_bytes((folders[-1] / checkpoint.OPTIMIZER).read_bytes()[:-100])
+    (folders[-2] / checkpoint.STATE).write_text("{ not json")
+    # longer schedule on the same run: it must resume from the step-2 checkpoint, the newest intact one
+    result = run(tiny_config(model, data, storage, "damaged", "train.max_steps=8"))
+    assert result.error is None
+    rows = read_metrics(str(storage), "damaged")
+    assert [r["step"] for r in rows if r["restarts"] == 1][0] == 3
+    # every checkpoint damaged: the run stops with an error that says so
+    for folder in _checkpoints(run_dir):
+        (folder / checkpoint.ADAPTER_WEIGHTS).unlink(missing_ok=True)
+    failed = run(tiny_config(model, data, storage, "damaged", "train.max_steps=10", "run.max_failures=0"))
+    assert failed.error is not None and "no intact checkpoint" in str(failed.error)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("lora.r=8", r"expected shape \[8, \d+\], checkpoint has \[4, \d+\]"),
+        ("lora.target_modules=q_proj,v_proj", "checkpoint has trainable parameter .*(k_proj|o_proj|up_proj)"),
+        ("train.freeze_vision=true", "checkpoint has trainable parameter model.vision_tower"),
+    ],
+)
+def test_mismatched_checkpoint_is_refused_naming_it(straight, tiny_models, digits, change, message):
+    storage, _ = straight
+    with pytest.raises(ConfigError, match=message):
+        run(
+            tiny_config(
+                tiny_models("llava"), digits[0], storage, "straight", f"train.max_steps={STEPS + 2}", change
+            )
+        )
+
+
+def test_other_base_model_or_architecture_is_refused(straight, tiny_models, digits, tmp_path):
+    storage, _ = straight
+    with pytest.raises(ConfigError, match="made for architecture llava; model.path is a qwen2_vl model"):
+        run(tiny_config(tiny_models("qwen2_vl"), digits[0], storage, "straight"))
+    from raylora.assets import make_tiny_model
+
+    other = make_tiny_model(tmp_path / "other-llava", "llava", seed=1)  # same shapes, other weights
+    with pytest.raises(ConfigError, match="made on another base model"):
+        run(tiny_config(str(other), digits[0], storage, "straight"))
+
+
+def test_checkpoints_hold_only_json_and_safetensors(straight):
+    storage, _ = straight
+    for folder in _checkpoints(storage / "straight"):
+        names = {p.name for p in folder.iterdir()}
+        assert all(n.endswith((".json", ".safetensors")) for n in names), names

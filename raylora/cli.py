@@ -14,10 +14,13 @@ def _train(args) -> int:
     from raylora import config
     from raylora.driver import run
 
+    import ray.train
+
     cfg = config.load(args.config, args.overrides)
-    result = run(cfg)
-    if result.error:
-        print(f"raylora: run failed: {result.error}", file=sys.stderr)
+    try:
+        result = run(cfg)
+    except ray.train.TrainingFailedError as err:
+        print(f"raylora: run failed: {err}", file=sys.stderr)
         return 1
     print(
         json.dumps(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import ray
 import ray.train
+from ray.exceptions import RayActorError
 from ray.train.torch import TorchTrainer
 
 from raylora.arch import Architecture, detect
@@ -91,7 +92,24 @@ def init_ray(num_cpus: int | None = None) -> None:
 
 
 def run(cfg: Config, callbacks: list | None = None) -> ray.train.Result:
-    """Validate, connect to (or start) Ray, train. Uses the cluster in RAY_ADDRESS when set."""
+    """Validate, connect to (or start) Ray, train. Uses the cluster in RAY_ADDRESS when set.
+
+    Raises `ray.train.TrainingFailedError` when the run fails for good.
+    """
     preflight(cfg)
     init_ray()
-    return make_trainer(cfg, callbacks).fit()
+    relaunches = 0
+    while True:
+        try:
+            return make_trainer(cfg, callbacks).fit()
+        except ray.train.ControllerError as err:
+            # Ray Train 2.60 retries a worker that dies while training, but not one that dies in the
+            # moment its training function is being launched: that surfaces as a non-retryable
+            # controller error. The run's checkpoints are intact, so start it again under the same
+            # name (it resumes), within the same failure budget.
+            if not isinstance(getattr(err, "controller_failure", None), RayActorError):
+                raise
+            relaunches += 1
+            if relaunches > cfg.run.max_failures:
+                raise
+            log.warning("a worker died while Ray Train launched the run; relaunching (%d)", relaunches)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ray.train import TrainingFailedError
 
 from raylora import checkpoint
 from raylora.config import ConfigError
@@ -135,12 +136,14 @@ def test_other_worker_counts_2_1_2(straight, tiny_models, digits):
     model, data = tiny_models("llava"), digits[0]
     reference = run(tiny_config(model, data, storage, "elastic-ref", *base))
     # 2 workers until step 4 (the drill then fails the run), 1 worker until step 8, 2 workers to the end
-    first = run(tiny_config(model, data, storage, "elastic", *base, "fault.kill_at_steps=5"))
-    assert first.error is not None
-    second = run(
-        tiny_config(model, data, storage, "elastic", *base, "fault.kill_at_steps=9", "scaling.num_workers=1")
-    )
-    assert second.error is not None
+    with pytest.raises(TrainingFailedError):
+        run(tiny_config(model, data, storage, "elastic", *base, "fault.kill_at_steps=5"))
+    with pytest.raises(TrainingFailedError):
+        run(
+            tiny_config(
+                model, data, storage, "elastic", *base, "fault.kill_at_steps=9", "scaling.num_workers=1"
+            )
+        )
     third = run(tiny_config(model, data, storage, "elastic", *base, "scaling.num_workers=2"))
     assert third.error is None
     ref, got = _final(reference), _final(third)
@@ -170,8 +173,8 @@ def test_damaged_latest_checkpoint_falls_back_to_intact_one(straight, tiny_model
     # every checkpoint damaged: the run stops with an error that says so
     for folder in _checkpoints(run_dir):
         (folder / checkpoint.ADAPTER_WEIGHTS).unlink(missing_ok=True)
-    failed = run(tiny_config(model, data, storage, "damaged", "train.max_steps=10", "run.max_failures=0"))
-    assert failed.error is not None and "no intact checkpoint" in str(failed.error)
+    with pytest.raises(TrainingFailedError, match="no intact checkpoint"):
+        run(tiny_config(model, data, storage, "damaged", "train.max_steps=10", "run.max_failures=0"))
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,7 @@ class TrainState:
     versions: dict[str, str]
     """raylora, torch, deepspeed, transformers and peft versions that wrote it."""
     restarts: int = 0
-    """How many times the run resumed from a checkpoint before this one was saved."""
+    """How many times the run's worker group had restarted when this was saved."""
     format: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -11,10 +11,10 @@ from raylora.config import ConfigError
 
 
 def _train(args) -> int:
+    import ray.train
+
     from raylora import config
     from raylora.driver import run
-
-    import ray.train
 
     cfg = config.load(args.config, args.overrides)
     try:

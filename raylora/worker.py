@@ -35,7 +35,7 @@ from raylora.config import Config, redact, storage_path
 from raylora.data import IGNORE_INDEX, GlobalSampler, ImageTextData, answer_ids, make_batch
 from raylora.model import build_model, is_lora, module_groups, set_trainable, shapes, trainable_parameters
 from raylora.processor import load_processor
-from raylora.progress import run_folder
+from raylora.progress import count_attempt, run_folder
 from raylora.resume import base_model_fingerprint, load_intact
 
 log = logging.getLogger("raylora")
@@ -67,6 +67,8 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
     # from_pretrained needs it to know the world size.
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
+    started = [count_attempt(storage_path(cfg), cfg.run.name) if rank == 0 else 0]
+    dist.broadcast_object_list(started, src=0)
     arch = detect(cfg.model.path, cfg.model.arch)
     ds_config = zero.deepspeed_config(cfg, world)
     model, zero3 = build_model(cfg, arch, ds_config)
@@ -108,6 +110,7 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
         rank=rank,
         world_size=world,
         arch=arch,
+        restarts=started[0] - 1,
     )
     if restore_from is not None:
         st = restore_from.state
@@ -115,7 +118,7 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
         scheduler.load_state_dict(st.scheduler)
         for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
             group["lr"] = lr  # load_state_dict restores the schedule but not the optimizer's current lr
-        s.step, s.restarts, s.resumed = st.step, st.restarts + 1, True
+        s.step, s.resumed = st.step, True
     return s
 
 

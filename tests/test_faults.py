@@ -5,6 +5,7 @@ Real Ray workers and DeepSpeed ZeRO-3 on CPU. Each test compares against an unin
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -45,16 +46,31 @@ def straight(ray_cluster, tiny_models, digits, tmp_path_factory):
     return storage, _final(result)
 
 
-def _kill_random_workers(times: int, stop: threading.Event, seed: int = 7) -> list[int]:
-    """Kill a random live Ray Train worker at random moments, `times` times."""
+def _kill_random_workers(run_dir: Path, times: int, stop: threading.Event, seed: int = 7) -> list[int]:
+    """Kill a random live Ray Train worker at a random moment of each of `times` worker groups.
+
+    After each kill it waits for Ray to start a new worker group (the run folder's attempt count
+    rises) before the next one, so that every kill hits a different group.
+    """
     import os
     import signal
 
     from ray.util.state import list_actors
 
-    rng, killed = random.Random(seed), []
+    from raylora.progress import ATTEMPTS_FILE
+
+    def attempts() -> int:
+        try:
+            return json.loads((run_dir / ATTEMPTS_FILE).read_text())["attempts"]
+        except (OSError, ValueError):
+            return 0
+
+    rng, killed, seen = random.Random(seed), [], 0
     while len(killed) < times and not stop.is_set():
-        time.sleep(rng.uniform(4.0, 9.0))
+        while attempts() <= seen and not stop.is_set():
+            time.sleep(0.2)
+        seen = attempts()
+        time.sleep(rng.uniform(1.0, 5.0))
         workers = [
             a
             for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
@@ -87,7 +103,9 @@ def test_many_faults_in_one_run_end_bitwise_equal(straight, tiny_models, digits)
         "fault.kill_checkpoint_steps=6",
     )
     stop, killed = threading.Event(), []
-    killer = threading.Thread(target=lambda: killed.extend(_kill_random_workers(2, stop)), daemon=True)
+    killer = threading.Thread(
+        target=lambda: killed.extend(_kill_random_workers(storage / "many", 2, stop)), daemon=True
+    )
     killer.start()
     try:
         result = run(cfg)
@@ -152,8 +170,14 @@ def test_other_worker_counts_2_1_2(straight, tiny_models, digits):
     assert [r["step"] for r in rows if r["restarts"] == 1][0] == 5  # resumed on 1 worker at the step-4 ckpt
     worst = 0.0
     for name, value in ref.weights.items():
-        scale = value.abs().max().clamp_min(1e-12)
-        worst = max(worst, float((value - got.weights[name]).abs().max() / scale))
+        diff = float((value - got.weights[name]).abs().max())
+        if name.endswith("k_proj.bias"):
+            # Softmax ignores a bias added to every key, so these get a zero gradient in exact arithmetic:
+            # their updates are summation-order noise that Adam normalises up to the learning rate.
+            # They stay at ~1e-6 in both runs; bound them absolutely.
+            assert diff <= 1e-5, name
+            continue
+        worst = max(worst, diff / float(value.abs().max().clamp_min(1e-12)))
     assert worst <= 1e-5, f"relative difference {worst:.2e} after resuming on other worker counts"
 
 
@@ -173,15 +197,17 @@ def test_damaged_latest_checkpoint_falls_back_to_intact_one(straight, tiny_model
     # every checkpoint damaged: the run stops with an error that says so
     for folder in _checkpoints(run_dir):
         (folder / checkpoint.ADAPTER_WEIGHTS).unlink(missing_ok=True)
-    with pytest.raises(TrainingFailedError, match="no intact checkpoint"):
+    with pytest.raises(TrainingFailedError) as failed:
         run(tiny_config(model, data, storage, "damaged", "train.max_steps=10", "run.max_failures=0"))
+    errors = [str(e) for e in getattr(failed.value, "worker_failures", {}).values()]
+    assert errors and all("no intact checkpoint" in e for e in errors), errors
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
         ("lora.r=8", r"expected shape \[8, \d+\], checkpoint has \[4, \d+\]"),
-        ("lora.target_modules=q_proj,v_proj", "checkpoint has trainable parameter .*(k_proj|o_proj|up_proj)"),
+        ("lora.target_modules=q_proj,v_proj", "checkpoint has trainable parameter .*(k|o|up|down|gate)_proj"),
         ("train.freeze_vision=true", "checkpoint has trainable parameter model.vision_tower"),
     ],
 )

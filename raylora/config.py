@@ -75,6 +75,10 @@ class TrainConfig:
     """Seed for the LoRA initialisation, the sample order and dropout."""
     checkpoint_every: int = 50
     """Report a Ray checkpoint every this many steps (and at the last step)."""
+    eval_every: int | None = None
+    """Evaluate on data.eval (generated answers: exact-match accuracy, answer loss) every this many steps."""
+    eval_samples: int = 256
+    """Held-out samples each evaluation scores (the first ones of data.eval)."""
     freeze_vision: bool = True
     """Keep the vision tower frozen; false trains it fully."""
     freeze_aligner: bool = True
@@ -288,6 +292,8 @@ def validate(cfg: Config) -> None:
                 f"train.micro_batch_size x scaling.num_workers "
                 f"({t.micro_batch_size} x {world} = {per_step}), for every number of workers the run may have"
             )
+    if t.eval_every is not None and (t.eval_every <= 0 or not cfg.data.eval):
+        raise ConfigError("train.eval_every must be positive and needs data.eval")
     if cfg.data.on_bad_row not in ("skip", "error"):
         raise ConfigError(f"data.on_bad_row must be skip or error, got {cfg.data.on_bad_row!r}")
     if not cfg.model.path:

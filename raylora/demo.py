@@ -26,6 +26,8 @@ DEMO_SETTINGS = [
     "train.vision_lr=1e-4",
     "train.warmup_steps=20",
     "train.checkpoint_every=100",
+    "train.eval_every=100",
+    "train.eval_samples=128",
     "train.freeze_vision=false",
     "train.freeze_aligner=false",
     "lora.r=16",
@@ -46,6 +48,7 @@ def demo(
     """Run the demo under `out` and return (and write) its summary."""
     from raylora.driver import init_ray, run
     from raylora.evaluate import evaluate, load_for_inference
+    from raylora.plot import plot
 
     started = time.perf_counter()
     out = Path(out).absolute()
@@ -89,6 +92,7 @@ def demo(
         "checkpoint_bytes_per_trainable_param": ckpt_bytes / trainable,
         "base_model_bytes": base_bytes,
         "checkpoint_path": result.checkpoint.path,
+        "plot": plot(str(out / "ray" / run_name), str(out / "loss.png")),
         "wall_s": round(time.perf_counter() - started, 1),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

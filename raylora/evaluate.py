@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint
-from raylora.data import IGNORE_INDEX, ImageTextData, make_batch
+from raylora.data import IGNORE_INDEX, ImageTextData, answer_ids, make_batch
 from raylora.processor import load_processor
 
 
@@ -33,29 +33,62 @@ def load_for_inference(folder: str | Path, model_path: str | None = None):
 
 
 @torch.no_grad()
+def score(
+    model,
+    processor,
+    examples: list,
+    counted: list[bool] | None = None,
+    synced_gpus: bool = False,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """Exact-match hits, answer-token loss sum and answer tokens of one batch (only `counted` examples).
+
+    `synced_gpus=True` keeps ZeRO-3 ranks in lockstep through generation (every rank must take part
+    in every forward pass, however many tokens its own batch needs).
+    """
+    counted = counted if counted is not None else [True] * len(examples)
+    tokenizer = processor.tokenizer
+    batch = {k: v.to(device) for k, v in make_batch(processor, examples).items()}
+    labels = batch.pop("labels")
+    logits = model(**batch).logits.float()
+    per_token = torch.nn.functional.cross_entropy(
+        logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    mask = torch.tensor(counted, device=per_token.device)[:, None] & (labels[:, 1:] != IGNORE_INDEX)
+    prompts = {k: v.to(device) for k, v in make_batch(processor, examples, with_answers=False).items()}
+    longest = max(len(answer_ids(processor, answer)) for _, _, answer in examples)
+    out = model.generate(
+        **prompts,
+        max_new_tokens=longest,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        synced_gpus=synced_gpus,
+    )
+    new = out[:, prompts["input_ids"].shape[1] :]
+    hits = sum(
+        keep and tokenizer.decode(ids, skip_special_tokens=True).strip() == answer.strip()
+        for (_, _, answer), ids, keep in zip(examples, new, counted, strict=True)
+    )
+    return {
+        "correct": float(hits),
+        "loss_sum": float((per_token * mask).sum()),
+        "tokens": float(mask.sum()),
+        "samples": float(sum(counted)),
+    }
+
+
+@torch.no_grad()
 def evaluate(model, processor, data_uri: str, batch_size: int = 32, max_samples: int | None = None) -> dict:
-    """Exact-match accuracy of generated answers and the mean answer-token loss."""
+    """Exact-match accuracy of generated answers and the mean answer-token loss, in one process."""
     data = ImageTextData(data_uri)
     n = len(data) if max_samples is None else min(max_samples, len(data))
-    correct, loss_sum, tokens = 0, 0.0, 0
-    tokenizer = processor.tokenizer
+    totals = {"correct": 0.0, "loss_sum": 0.0, "tokens": 0.0}
     for start in range(0, n, batch_size):
-        examples = [data.example(i) for i in range(start, min(n, start + batch_size))]
-        batch = make_batch(processor, examples)
-        labels = batch.pop("labels")
-        logits = model(**batch).logits.float()
-        loss_sum += torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]),
-            labels[:, 1:].reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        ).item()
-        tokens += int((labels != IGNORE_INDEX).sum())
-        prompts = make_batch(processor, examples, with_answers=False)
-        out = model.generate(
-            **prompts, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id
-        )
-        new = out[:, prompts["input_ids"].shape[1] :]
-        for (_, _, answer), ids in zip(examples, new, strict=True):
-            correct += tokenizer.decode(ids, skip_special_tokens=True).strip() == answer.strip()
-    return {"accuracy": correct / max(n, 1), "loss": loss_sum / max(tokens, 1), "samples": n}
+        result = score(model, processor, [data.example(i) for i in range(start, min(n, start + batch_size))])
+        for key in totals:
+            totals[key] += result[key]
+    return {
+        "accuracy": totals["correct"] / max(n, 1),
+        "loss": totals["loss_sum"] / max(totals["tokens"], 1),
+        "samples": n,
+    }

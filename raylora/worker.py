@@ -56,6 +56,7 @@ class Setup:
     rank: int
     world_size: int
     arch: Architecture
+    eval_data: ImageTextData | None = None
     step: int = 0
     restarts: int = 0
     resumed: bool = False
@@ -111,6 +112,7 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
         world_size=world,
         arch=arch,
         restarts=started[0] - 1,
+        eval_data=ImageTextData(cfg.data.eval, cfg.data.on_bad_row) if cfg.train.eval_every else None,
     )
     if restore_from is not None:
         st = restore_from.state
@@ -163,6 +165,42 @@ def train_step(s: Setup) -> dict[str, float]:
         "epoch": s.sampler.epoch(step),
         "restarts": s.restarts,
         "bad_rows": len(s.data.bad_rows),
+    }
+
+
+def eval_step(s: Setup) -> dict[str, float]:
+    """Score the first `train.eval_samples` of data.eval, sharded over the ranks; same result on every rank.
+
+    Every rank runs the same number of batches (short shards repeat a sample that is not counted)
+    and generates with `synced_gpus`, because ZeRO-3 needs every rank in every forward pass.
+    """
+    from raylora.evaluate import score
+
+    data, cfg = s.eval_data, s.cfg
+    n = min(len(data), cfg.train.eval_samples)
+    per_rank = -(-n // s.world_size)
+    mine = list(range(s.rank * per_rank, min(n, (s.rank + 1) * per_rank)))
+    counted = [True] * len(mine) + [False] * (per_rank - len(mine))
+    mine += [0] * (per_rank - len(mine))
+    totals = torch.zeros(4, dtype=torch.float64)
+    model = s.engine.module
+    model.eval()
+    size = cfg.train.micro_batch_size
+    for i in range(0, per_rank, size):
+        r = score(
+            model,
+            s.processor,
+            [data.example(j) for j in mine[i : i + size]],
+            counted[i : i + size],
+            synced_gpus=True,
+            device=s.engine.device,
+        )
+        totals += torch.tensor([r["correct"], r["loss_sum"], r["tokens"], r["samples"]], dtype=torch.float64)
+    model.train()
+    dist.all_reduce(totals)
+    return {
+        "eval_accuracy": totals[0].item() / totals[3].item(),
+        "eval_loss": totals[1].item() / totals[2].item(),
     }
 
 
@@ -237,8 +275,17 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
     while s.step < cfg.train.max_steps:
         maybe_kill(s)
         metrics = train_step(s)
-        history.append(metrics)
         done = s.step == cfg.train.max_steps
+        if cfg.train.eval_every and (done or s.step % cfg.train.eval_every == 0):
+            metrics.update(eval_step(s))
+            if s.rank == 0:
+                log.info(
+                    "step %d eval accuracy %.3f loss %.4f",
+                    s.step,
+                    metrics["eval_accuracy"],
+                    metrics["eval_loss"],
+                )
+        history.append(metrics)
         ckpt = save_checkpoint(s) if done or s.step % cfg.train.checkpoint_every == 0 else None
         ray.train.report(metrics, checkpoint=ckpt)
         if ckpt is not None:

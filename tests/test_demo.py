@@ -25,3 +25,31 @@ def test_demo_survives_a_killed_worker_and_writes_its_summary(ray_cluster, tmp_p
     assert 12 * summary["trainable_params"] < summary["checkpoint_bytes"] < 13 * summary["trainable_params"]
     for key in ("trainable_params", "base_model_bytes", "wall_s", "checkpoint_path"):
         assert summary[key]
+
+
+def test_evaluation_during_training_matches_plain_peft(ray_cluster, tiny_models, digits, tmp_path):
+    from raylora.driver import run
+    from raylora.evaluate import evaluate, load_for_inference
+    from raylora.progress import read_metrics
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(
+        tiny_models("llava"),
+        digits[0],
+        tmp_path,
+        "evals",
+        "train.max_steps=4",
+        f"data.eval={digits[1]}",
+        "train.eval_every=2",
+        "train.eval_samples=7",
+    )
+    result = run(cfg)
+    rows = {r["step"]: r for r in read_metrics(str(tmp_path), "evals")}
+    assert "eval_accuracy" in rows[2] and "eval_accuracy" in rows[4] and "eval_accuracy" not in rows[3]
+    with result.checkpoint.as_directory() as folder:
+        model, processor = load_for_inference(folder)
+    # 7 samples over 2 ranks (one padded slot) under ZeRO-3 == one process with plain PEFT
+    alone = evaluate(model, processor, str(digits[1]), batch_size=4, max_samples=7)
+    assert rows[4]["eval_accuracy"] == pytest.approx(alone["accuracy"])
+    assert rows[4]["eval_loss"] == pytest.approx(alone["loss"], rel=1e-4)
+    assert (tmp_path / "evals" / "raylora_metrics.jsonl").exists()

@@ -107,6 +107,10 @@ class RunConfig:
     """Worker-group failures Ray recovers from before the run fails."""
     num_to_keep: int = 2
     """Checkpoints kept in storage (the newest ones)."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars into the run folder's `tensorboard/` (local storage)."""
+    mlflow_tracking_uri: str | None = None
+    """Also log the metrics and config to this MLflow tracking URI (a server, or sqlite:///path/mlflow.db)."""
 
 
 @dataclass

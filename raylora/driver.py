@@ -12,9 +12,9 @@ from ray.exceptions import RayActorError
 from ray.train.torch import TorchTrainer
 
 from raylora.arch import Architecture, detect
-from raylora.config import Config, ConfigError, storage_path
+from raylora.config import Config, ConfigError, redact, storage_path
 from raylora.data import ImageTextData, check_parquet
-from raylora.progress import MetricsLog
+from raylora.progress import MetricsLog, MlflowLog, TensorBoardLog
 from raylora.resume import check_resume
 from raylora.worker import train_loop_per_worker
 
@@ -50,6 +50,18 @@ def preflight(cfg: Config) -> Architecture:
     return arch
 
 
+def metric_callbacks(cfg: Config) -> list:
+    """Where the per-step metrics go: the run folder's log always, TensorBoard and MLflow when asked."""
+    callbacks = [MetricsLog(storage_path(cfg), cfg.run.name)]
+    if cfg.run.tensorboard:
+        root = storage_path(cfg) if "://" not in storage_path(cfg) else os.path.abspath("runs")
+        callbacks.append(TensorBoardLog(os.path.join(root, cfg.run.name, "tensorboard")))
+    if cfg.run.mlflow_tracking_uri:
+        params = {f"{s}.{k}": v for s, sec in redact(cfg.to_dict()).items() for k, v in sec.items()}
+        callbacks.append(MlflowLog(cfg.run.mlflow_tracking_uri, cfg.run.name, params))
+    return callbacks
+
+
 def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
     """A TorchTrainer whose run resumes from its latest checkpoint when one with this name exists."""
     cfg.model.path = os.path.abspath(cfg.model.path)
@@ -69,7 +81,7 @@ def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
             storage_path=storage_path(cfg),
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
-            callbacks=[MetricsLog(storage_path(cfg), cfg.run.name), *(callbacks or [])],
+            callbacks=[*metric_callbacks(cfg), *(callbacks or [])],
         ),
     )
 

@@ -9,13 +9,32 @@ again, each row carrying the `restarts` count it was trained under.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import posixpath
+import time
 
 import pyarrow.fs
 from ray.train import UserCallback
 
 METRICS_FILE = "raylora_metrics.jsonl"
+log = logging.getLogger("raylora")
+
+
+def never_fatal(method):
+    """A metrics sink that fails must not fail training: Ray Train ends a run on any callback error."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as err:  # whatever the sink's library raises
+            if not getattr(self, "_warned", False):
+                log.warning("%s failed; training goes on without it: %s", type(self).__name__, err)
+                self._warned = True
+
+    return wrapper
 
 
 def run_folder(storage_path: str, name: str) -> tuple[pyarrow.fs.FileSystem, str]:
@@ -53,6 +72,7 @@ class MetricsLog(UserCallback):
             f.write(data.encode())
         self.unflushed = 0
 
+    @never_fatal
     def after_report(self, run_context, metrics, checkpoint) -> None:
         if self.rows is None:  # first report of this driver: keep what earlier drivers of the run wrote
             self.rows = read_metrics(self.storage_path, self.name)
@@ -63,6 +83,7 @@ class MetricsLog(UserCallback):
         if checkpoint is not None or last or self.unflushed >= self.flush_every:
             self._write()
 
+    @never_fatal
     def after_exception(self, run_context, worker_exceptions) -> None:
         if self.rows is not None:
             self._write()
@@ -87,3 +108,72 @@ def count_attempt(storage_path: str, name: str) -> int:
     with fs.open_output_stream(path) as f:
         f.write(json.dumps({"attempts": attempts + 1}).encode())
     return attempts + 1
+
+
+def _scalars(row: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+
+
+class TensorBoardLog(UserCallback):
+    """Rank 0's metrics as TensorBoard scalars, written with tensorboardX (as Ray's own TB logger does)."""
+
+    def __init__(self, logdir: str):
+        self.logdir = logdir
+        self.writer = None
+
+    @never_fatal
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        from tensorboardX import SummaryWriter
+
+        if not metrics or not metrics[0]:
+            return
+        if self.writer is None:
+            self.writer = SummaryWriter(self.logdir)
+        row = metrics[0]
+        for key, value in _scalars(row).items():
+            self.writer.add_scalar(key, value, global_step=row["step"])
+        self.writer.flush()
+
+
+class MlflowLog(UserCallback):
+    """Rank 0's metrics to an MLflow tracking server through MLflow's own client.
+
+    One MLflow run per raylora run: a resumed raylora run finds its MLflow run by tag and goes on
+    logging into it.
+    """
+
+    def __init__(self, tracking_uri: str, run_name: str, params: dict):
+        self.tracking_uri, self.run_name, self.params = tracking_uri, run_name, params
+        self.run_id: str | None = None
+
+    def _client(self):
+        from mlflow import MlflowClient
+
+        return MlflowClient(self.tracking_uri)
+
+    def _ensure_run(self) -> str:
+        if self.run_id is None:
+            client = self._client()
+            experiment = client.get_experiment_by_name("raylora")
+            experiment_id = experiment.experiment_id if experiment else client.create_experiment("raylora")
+            found = client.search_runs([experiment_id], filter_string=f"tags.raylora_run = '{self.run_name}'")
+            if found:
+                self.run_id = found[0].info.run_id
+            else:
+                run = client.create_run(
+                    experiment_id, run_name=self.run_name, tags={"raylora_run": self.run_name}
+                )
+                self.run_id = run.info.run_id
+                for key, value in self.params.items():
+                    client.log_param(self.run_id, key, str(value)[:500])
+        return self.run_id
+
+    @never_fatal
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        from mlflow.entities import Metric
+
+        if not metrics or not metrics[0]:
+            return
+        row, stamp = metrics[0], int(time.time() * 1000)
+        batch = [Metric(k, v, stamp, int(row["step"])) for k, v in _scalars(row).items()]
+        self._client().log_batch(self._ensure_run(), metrics=batch)

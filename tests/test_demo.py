@@ -27,7 +27,7 @@ def test_demo_survives_a_killed_worker_and_writes_its_summary(ray_cluster, tmp_p
         assert summary[key]
 
 
-def test_evaluation_during_training_matches_plain_peft(ray_cluster, tiny_models, digits, tmp_path):
+def test_evaluation_during_training_and_metric_sinks(ray_cluster, tiny_models, digits, tmp_path):
     from raylora.driver import run
     from raylora.evaluate import evaluate, load_for_inference
     from raylora.progress import read_metrics
@@ -42,6 +42,8 @@ def test_evaluation_during_training_matches_plain_peft(ray_cluster, tiny_models,
         f"data.eval={digits[1]}",
         "train.eval_every=2",
         "train.eval_samples=7",
+        "run.tensorboard=true",
+        f"run.mlflow_tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
     )
     result = run(cfg)
     rows = {r["step"]: r for r in read_metrics(str(tmp_path), "evals")}
@@ -52,4 +54,13 @@ def test_evaluation_during_training_matches_plain_peft(ray_cluster, tiny_models,
     alone = evaluate(model, processor, str(digits[1]), batch_size=4, max_samples=7)
     assert rows[4]["eval_accuracy"] == pytest.approx(alone["accuracy"])
     assert rows[4]["eval_loss"] == pytest.approx(alone["loss"], rel=1e-4)
-    assert (tmp_path / "evals" / "raylora_metrics.jsonl").exists()
+    # the same metrics went to TensorBoard (tensorboardX event file) and MLflow (its own client)
+    events = list((tmp_path / "evals" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and b"eval_accuracy" in events[0].read_bytes() and b"loss" in events[0].read_bytes()
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (mlflow_run,) = client.search_runs([client.get_experiment_by_name("raylora").experiment_id])
+    history = client.get_metric_history(mlflow_run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    assert mlflow_run.data.params["lora.r"] == "4"

@@ -1,0 +1,354 @@
+"""What every benchmark shares: tiny assets, a run on 2 Ray workers, a collective counter, JSON results.
+
+Each figure a benchmark writes is a median of several samples, the raw samples sit beside it, and the
+JSON says which machine and which command made it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_AUTH_MODE", "token")  # explicit, so a run does not depend on ~/.ray
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+WORK = ROOT / "runs" / "bench"  # scratch: models, data, checkpoints (git-ignored)
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="smallest sizes and fewest repeats (smoke test)")
+    p.add_argument("--repeats", type=int, default=None, help="samples per figure (default 3, --tiny 1)")
+    p.add_argument("--out", default=str(RESULTS), help="folder for the JSON result (default bench/results)")
+    p.add_argument("--work", default=str(WORK), help="scratch folder (default runs/bench)")
+    return p
+
+
+def repeats(args: argparse.Namespace, default: int = 3) -> int:
+    return args.repeats or (1 if args.tiny else default)
+
+
+def median(samples: list[float]) -> float:
+    return float(statistics.median(samples))
+
+
+def summary(samples: list[float]) -> dict[str, Any]:
+    """A figure: its median and the raw samples it came from."""
+    return {"median": median(samples), "samples": [float(s) for s in samples]}
+
+
+def machine() -> dict[str, Any]:
+    import deepspeed
+    import ray
+    import torch
+    import transformers
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": deepspeed.__version__,
+        "ray": ray.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def write_result(args: argparse.Namespace, name: str, data: dict[str, Any]) -> Path:
+    """bench/results/NAME.json: the figures plus the machine and the command that made them."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    script = Path(sys.argv[0])
+    try:
+        script = script.resolve().relative_to(ROOT)
+    except ValueError:
+        pass
+    record = {
+        "benchmark": name,
+        "command": shlex.join(["python", str(script), *sys.argv[1:]]),
+        "tiny": bool(args.tiny),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "machine": machine(),
+        **data,
+    }
+    path = out / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+    return path
+
+
+def folder_bytes(folder: str | Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
+# ---------------------------------------------------------------------------------------------- assets
+
+
+def tiny_model(work: str | Path, width: int = 64, layers: int = 2, arch: str = "llava") -> str:
+    """A tiny model folder from raylora.assets, built once per (arch, width, layers)."""
+    from raylora.assets import make_tiny_model
+
+    folder = Path(work) / "models" / f"{arch}-w{width}-l{layers}"
+    if not (folder / "config.json").is_file():
+        make_tiny_model(folder, arch, width=width, layers=layers)
+    return str(folder)
+
+
+def digits(work: str | Path) -> str:
+    """The digits' training Parquet file, built once."""
+    from raylora.assets import make_digits
+
+    folder = Path(work) / "digits"
+    if not (folder / "train.parquet").is_file():
+        make_digits(folder)
+    return str(folder / "train.parquet")
+
+
+def config(model_dir: str, train_file: str, storage: str | Path, name: str, *overrides: str):
+    """tests/conftest.py's tiny run: fully partitioned ZeRO-3, vision tower and aligner trained."""
+    from raylora import config as cfgmod
+
+    return cfgmod.load(
+        None,
+        [
+            f"model.path={model_dir}",
+            f"data.train={train_file}",
+            f"run.storage_path={storage}",
+            f"run.name={name}",
+            "train.max_steps=6",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            "train.lr=1e-3",
+            "train.warmup_steps=2",
+            "train.checkpoint_every=1000",
+            "train.freeze_vision=false",
+            "train.freeze_aligner=false",
+            "train.param_persistence_threshold=0",
+            "lora.r=4",
+            "lora.alpha=8",
+            "lora.dropout=0.1",
+            "scaling.num_workers=2",
+            "run.max_failures=2",
+            "run.num_to_keep=10",
+            *overrides,
+        ],
+    )
+
+
+# ------------------------------------------------------------------------------------------------ Ray
+
+
+@contextmanager
+def local_ray():
+    """raylora's own Ray start (the cluster in RAY_ADDRESS, or a local one of 4 logical CPUs), shut down
+    at the end so the benchmark leaves nothing running."""
+    import ray
+
+    from raylora.driver import init_ray
+
+    init_ray(num_cpus=4)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def on_workers(fn, storage: str | Path, name: str, num_workers: int = 2) -> Any:
+    """Run `fn()` on `num_workers` Ray Train workers (gloo, as raylora trains); rank 0's return value."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        fn,
+        scaling_config=ray.train.ScalingConfig(num_workers=num_workers),
+        run_config=ray.train.RunConfig(name=name, storage_path=str(Path(storage).resolve())),
+    )
+    return trainer.fit().return_value
+
+
+def barrier_time(fn) -> tuple[float, Any]:
+    """Wall time of `fn()` over all ranks: barriers before and after, so the slowest rank counts."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    out = fn()
+    dist.barrier()
+    return time.perf_counter() - start, out
+
+
+# -------------------------------------------------------------------------------------- collectives
+
+# What counts as a collective: every torch.distributed collective named below, and DeepSpeed's comm
+# layer (deepspeed.comm), which the ZeRO-3 code calls. deepspeed.comm forwards to torch.distributed,
+# except that its TorchBackend keeps references to all_gather_into_tensor / reduce_scatter_tensor taken
+# at start-up; those references are wrapped too. A call is counted once, where it enters the
+# outermost wrapped layer (a deepspeed.comm.broadcast that calls torch.distributed.broadcast is one
+# call). `bypass` counts deepspeed.comm calls that reached no wrapped torch.distributed function.
+TORCH_COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "all_gather_coalesced",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+)
+DEEPSPEED_COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "allgather_fn",
+    "all_gather_coalesced",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "inference_all_reduce",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce_scatter_fn",
+    "gather",
+    "scatter",
+    "all_to_all_single",
+    "barrier",
+)
+
+
+class CollectiveCounter:
+    """Counts collective calls on this rank while active; `calls` by layer.name, `total` outermost."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self.inner_torch: Counter[str] = Counter()
+        self.bypass = 0
+        self._local = threading.local()
+        self._patched: list[tuple[object, str, object]] = []
+        self.active = False
+
+    @property
+    def total(self) -> int:
+        return sum(v for k, v in self.calls.items() if not k.endswith(".barrier"))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "total": self.total,
+            "by_call": dict(sorted(self.calls.items())),
+            "barriers": sum(v for k, v in self.calls.items() if k.endswith(".barrier")),
+            "deepspeed_calls_that_bypassed_torch_distributed": self.bypass,
+        }
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.inner_torch.clear()
+        self.bypass = 0
+
+    def _wrap(self, fn, label: str, is_torch: bool):
+        counter = self
+
+        def wrapped(*args, **kwargs):
+            if not counter.active:
+                return fn(*args, **kwargs)
+            local = counter._local
+            depth = getattr(local, "depth", 0)
+            if depth == 0:
+                counter.calls[label] += 1
+                local.torch_seen = False
+            if is_torch:
+                local.torch_seen = True
+                counter.inner_torch[label] += 1
+            local.depth = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                local.depth = depth
+                if depth == 0 and not is_torch and not local.torch_seen:
+                    counter.bypass += 1
+
+        wrapped.__wrapped__ = fn
+        return wrapped
+
+    def _patch(self, owner, attr: str, label: str, is_torch: bool, cache: dict) -> None:
+        fn = getattr(owner, attr, None)
+        if fn is None or not callable(fn):
+            return
+        key = id(fn)
+        if key not in cache:
+            cache[key] = self._wrap(fn, label, is_torch)
+        self._patched.append((owner, attr, fn))
+        setattr(owner, attr, cache[key])
+
+    def install(self) -> CollectiveCounter:
+        import deepspeed.comm
+        import deepspeed.comm.comm as ds_comm
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        cache: dict[int, object] = {}
+        for name in TORCH_COLLECTIVES:
+            for owner in (c10d, dist):
+                self._patch(owner, name, f"torch.{name}", True, cache)
+        for name in DEEPSPEED_COLLECTIVES:
+            for owner in (ds_comm, deepspeed.comm):
+                self._patch(owner, name, f"deepspeed.{name}", False, cache)
+        backend = getattr(ds_comm, "cdb", None)
+        for attr in ("all_gather_function", "reduce_scatter_function"):
+            if backend is not None and getattr(backend, attr, None) is not None:
+                self._patch(backend, attr, f"torch.{attr}", True, cache)
+        return self
+
+    def uninstall(self) -> None:
+        for owner, attr, fn in reversed(self._patched):
+            setattr(owner, attr, fn)
+        self._patched.clear()
+
+    @contextmanager
+    def counting(self):
+        """Count the calls made inside the block (from zero)."""
+        self.reset()
+        self.active = True
+        try:
+            yield self
+        finally:
+            self.active = False
+
+
+def counted_time(counter: CollectiveCounter, fn) -> tuple[float, dict[str, Any], Any]:
+    """(wall seconds over all ranks, collectives this rank made, result) of `fn()`."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    with counter.counting():
+        out = fn()
+    dist.barrier()
+    return time.perf_counter() - start, counter.snapshot(), out

@@ -155,13 +155,20 @@ def config(model_dir: str, train_file: str, storage: str | Path, name: str, *ove
 
 @contextmanager
 def local_ray():
-    """raylora's own Ray start (the cluster in RAY_ADDRESS, or a local one of 4 logical CPUs), shut down
-    at the end so the benchmark leaves nothing running."""
+    """The cluster in RAY_ADDRESS, or a new local Ray of 4 logical CPUs, shut down at the end.
+
+    Not `raylora.driver.init_ray(num_cpus=4)`: without RAY_ADDRESS, `ray.init` joins any cluster that
+    `ray start` left on this machine (and then refuses num_cpus); address="local" always starts our own,
+    with the same runtime env raylora's driver sets.
+    """
     import ray
 
-    from raylora.driver import init_ray
+    from raylora.driver import RAY_ENV, init_ray
 
-    init_ray(num_cpus=4)
+    if os.environ.get("RAY_ADDRESS"):
+        init_ray()
+    else:
+        ray.init(address="local", num_cpus=4, runtime_env={"env_vars": RAY_ENV})
     try:
         yield ray
     finally:

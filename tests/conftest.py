@@ -32,16 +32,18 @@ def tiny_models(tmp_path_factory):
     return get
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One local Ray for the distributed tests (4 logical CPUs on 2 cores: 2 workers plus headroom)."""
+    """A local Ray shared by the distributed tests (4 logical CPUs on 2 cores: 2 workers plus headroom).
+
+    Module-scoped so that a module that needs a Ray of its own (several nodes) can shut this one down.
+    """
     import ray
 
     from raylora.driver import init_ray
 
     init_ray(num_cpus=4)
-    yield ray
-    ray.shutdown()
+    return ray
 
 
 def tiny_config(model_dir: str, train_file, storage, name: str, *overrides: str) -> config.Config:

@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-fast lint format
+.PHONY: install demo test test-fast lint format bench
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,16 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# Benchmarks, side by side in one run: each script writes its JSON (and scale.png) to bench/results/.
+bench: install
+	$(PY) bench/checkpoint_size.py
+	$(PY) bench/restore_collectives.py
+	$(PY) bench/save_collectives.py
+	$(PY) bench/throughput.py
+	$(PY) bench/recovery.py
+	$(PY) bench/scale.py
+	$(PY) bench/on_paper.py
 
 lint: install
 	$(VENV)/bin/ruff check raylora tests

@@ -71,7 +71,9 @@ def probe(cfg, out_dir: str, steps: int, reps: int) -> dict:
                 samples[way]["seconds"].append(seconds)
                 samples[way]["bytes"].append(common.folder_bytes(folder))
                 files[way] = {
-                    str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()
+                    str(p.relative_to(folder)): p.stat().st_size
+                    for p in sorted(folder.rglob("*"))
+                    if p.is_file()
                 }
             dist.barrier()
             if rank == 0 and rep < reps - 1:
@@ -128,7 +130,8 @@ def main() -> None:
     ratios = {
         "deepspeed_full_over_raylora_bytes": med["deepspeed_full"]["bytes"] / med["raylora"]["bytes"],
         "hf_trainer_peft_over_raylora_bytes": med["hf_trainer_peft"]["bytes"] / med["raylora"]["bytes"],
-        "deepspeed_full_over_raylora_save_seconds": med["deepspeed_full"]["seconds"] / med["raylora"]["seconds"],
+        "deepspeed_full_over_raylora_save_seconds": med["deepspeed_full"]["seconds"]
+        / med["raylora"]["seconds"],
         "hf_trainer_peft_over_raylora_save_seconds": med["hf_trainer_peft"]["seconds"]
         / med["raylora"]["seconds"],
     }
@@ -141,7 +144,9 @@ def main() -> None:
                 "model": f"tiny llava width {width}, {layers}+{layers} layers",
                 "workers": 2,
                 "zero_stage": 3,
-                "trained": "LoRA r=4 on every linear layer of the language model, vision tower and aligner fully",
+                "trained": (
+                    "LoRA r=4 on every linear layer of the language model, vision tower and aligner fully"
+                ),
                 "training_steps_before_saving": steps,
                 "trainable_params": r["trainable_params"],
                 "frozen_params": r["frozen_params"],
@@ -151,19 +156,24 @@ def main() -> None:
             "figures": figures,
             "ratios": ratios,
             "goal": {
-                "text": "raylora checkpoint within 2% of 12 bytes per trainable parameter plus its small files",
+                "text": (
+                    "raylora checkpoint within 2% of 12 bytes per trainable parameter plus its small files"
+                ),
                 "value": goal_value,
                 "met": goal_value <= 1.02,
             },
             "files_of_last_repeat": r["files"],
             "notes": [
-                "Bytes are every file each way writes (all ranks' files for the DeepSpeed ways); seconds are "
-                "wall time over both ranks (barriers before and after), medians of the repeats.",
-                "The runs are fp32 on CPU; the Hugging Face export is cast to bf16 as it would be with bf16 on GPU.",
-                "The Hugging Face way gathers the whole model to rank 0 (accelerate's get_state_dict under ZeRO-3) "
-                "and keeps the trainable tensors, as PEFT's save_pretrained would.",
-                "Under ZeRO-3 the module state of engine.save_checkpoint holds placeholders for partitioned "
-                "parameters, not the frozen base weights; see files_of_last_repeat for what each way writes.",
+                "Bytes are every file each way writes (all ranks' files for the DeepSpeed ways); seconds "
+                "are wall time over both ranks (barriers before and after), medians of the repeats.",
+                "The runs are fp32 on CPU; the Hugging Face export is cast to bf16 as it would be with bf16 "
+                "on GPU.",
+                "The Hugging Face way gathers the whole model to rank 0 (accelerate's get_state_dict under "
+                "ZeRO-3) and keeps the trainable tensors, as PEFT's save_pretrained would.",
+                "Under ZeRO-3, engine.save_checkpoint writes, per rank, that rank's fragment of every "
+                "frozen parameter (frozen_param_fragments in the model states file, in the model's dtype) "
+                "plus the fp32 partitions and Adam moments of the trainable ones; "
+                "exclude_frozen_parameters=True leaves the frozen fragments out. See files_of_last_repeat.",
             ],
         },
     )

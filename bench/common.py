@@ -57,6 +57,7 @@ def machine() -> dict[str, Any]:
 
     return {
         "cpu_count": os.cpu_count(),
+        "load_average_1min_at_write": os.getloadavg()[0],
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -359,3 +360,30 @@ def counted_time(counter: CollectiveCounter, fn) -> tuple[float, dict[str, Any],
         out = fn()
     dist.barrier()
     return time.perf_counter() - start, counter.snapshot(), out
+
+
+def step_clock(path: str | Path):
+    """A Ray Train callback (it runs in the controller) that appends `{t, step, restarts}` to `path` at
+    every report of rank 0: wall-clock times of steps as the driver side sees them."""
+    from ray.train import UserCallback
+
+    class StepClock(UserCallback):
+        def __init__(self, path: str):
+            self.path = path
+
+        def after_report(self, run_context, metrics, checkpoint) -> None:
+            if metrics and metrics[0]:
+                row = {
+                    "t": time.time(),
+                    "step": metrics[0].get("step"),
+                    "restarts": metrics[0].get("restarts"),
+                }
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+    return StepClock(str(path))
+
+
+def read_clock(path: str | Path) -> list[dict]:
+    p = Path(path)
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.is_file() else []

@@ -78,15 +78,21 @@ def probe(variants: list, out_dir: str, reps: int) -> list[dict]:
         dist.barrier()
         if counter is None:  # after DeepSpeed's comm backend exists, so its captured functions are wrapped
             counter = common.CollectiveCounter().install()
-        rows: dict[str, list] = {k: [] for k in ("files", "grouped", "per_param", "slice", "set_state", "full")}
+        rows: dict[str, list] = {
+            k: [] for k in ("files", "grouped", "per_param", "slice", "set_state", "full")
+        }
         info = {}
         real_load, real_set = zero.gathered_load, zero.set_trainable_state
 
-        def timed_load(groups, values, rows=rows, info=info, real_load=real_load):
+        def timed_load(groups, values, rows=rows, info=info, real_load=real_load, counter=counter):
             rows["grouped"].append(common.counted_time(counter, lambda: real_load(groups, values))[:2])
             flat = {n: p for g in groups.values() for n, p in g.items()}
-            rows["per_param"].append(common.counted_time(counter, lambda: per_parameter_load(flat, values))[:2])
-            for p in flat.values():  # wipe the partitions, so the check below proves the slice load wrote them
+            rows["per_param"].append(
+                common.counted_time(counter, lambda: per_parameter_load(flat, values))[:2]
+            )
+            for (
+                p
+            ) in flat.values():  # wipe the partitions, so the check below proves the slice load wrote them
                 if zero.is_partitioned(p):
                     p.ds_tensor.data.fill_(float("nan"))
             rows["slice"].append(common.counted_time(counter, lambda: slice_load(flat, values))[:2])
@@ -97,7 +103,7 @@ def probe(variants: list, out_dir: str, reps: int) -> list[dict]:
             info["partitioned_tensors_at_load"] = sum(zero.is_partitioned(p) for p in flat.values())
             info["trainable_tensors"] = len(flat)
 
-        def timed_set(*a, rows=rows, real_set=real_set, **kw):
+        def timed_set(*a, rows=rows, real_set=real_set, counter=counter, **kw):
             rows["set_state"].append(common.counted_time(counter, lambda: real_set(*a, **kw))[:2])
 
         for _ in range(reps):
@@ -111,9 +117,10 @@ def probe(variants: list, out_dir: str, reps: int) -> list[dict]:
             finally:
                 zero.gathered_load, zero.set_trainable_state = real_load, real_set
             rows["full"].append(
-                common.counted_time(counter, lambda fresh=fresh: fresh.engine.load_checkpoint(full_dir, tag="ckpt"))[
-                    :2
-                ]
+                common.counted_time(
+                    counter,
+                    lambda fresh=fresh, full_dir=full_dir: fresh.engine.load_checkpoint(full_dir, tag="ckpt"),
+                )[:2]
             )
             del fresh
         report.append({"label": label, **info, "rows": rows})
@@ -152,7 +159,9 @@ def main() -> None:
                 "collectives": common.summary([c["total"] for _, c in r[key]]),
                 "seconds": common.summary([t for t, _ in r[key]]),
                 "by_call_last_repeat": r[key][-1][1]["by_call"],
-                "bypassed_torch_distributed": r[key][-1][1]["deepspeed_calls_that_bypassed_torch_distributed"],
+                "bypassed_torch_distributed": r[key][-1][1][
+                    "deepspeed_calls_that_bypassed_torch_distributed"
+                ],
             }
 
         grouped, per_param, set_state, full = fig("grouped"), fig("per_param"), fig("set_state"), fig("full")
@@ -192,8 +201,12 @@ def main() -> None:
             }
         )
     lora_counts = {row["lora_tensors"] for row in rows}
-    grouped_by_lora = {row["lora_tensors"]: row["raylora_gathered_load"]["collectives"]["median"] for row in rows}
-    same_partitioned = [r for r in rows if r["partitioned_tensors_at_load"] == rows[0]["partitioned_tensors_at_load"]]
+    grouped_by_lora = {
+        row["lora_tensors"]: row["raylora_gathered_load"]["collectives"]["median"] for row in rows
+    }
+    same_partitioned = [
+        r for r in rows if r["partitioned_tensors_at_load"] == rows[0]["partitioned_tensors_at_load"]
+    ]
     independent = len({r["raylora_gathered_load"]["collectives"]["median"] for r in same_partitioned}) == 1
     met = all(r["collectives_at_most_module_groups"] for r in rows)
     common.write_result(
@@ -216,20 +229,24 @@ def main() -> None:
                 "met": met and independent,
             },
             "notes": [
-                "Counts are collective calls made by rank 0 (the other rank makes the same calls), counted where "
-                "they enter torch.distributed or deepspeed.comm, whichever comes first; barriers are not counted.",
+                "Counts are collective calls made by rank 0 (the other rank makes the same calls), counted "
+                "where they enter torch.distributed or deepspeed.comm, whichever comes first; barriers are "
+                "not counted.",
                 "LoRA tensors have no ds_id before deepspeed.initialize, so every rank copies them with no "
                 "collective at all: the LoRA target set does not change any count.",
-                "DeepSpeed's GatheredParameters(params, modifier_rank=0) all-gathers the group's partitions on "
-                "entry and then broadcasts every parameter from rank 0 on exit, one broadcast per partitioned "
-                "parameter, so raylora's grouped load costs about one collective per trained vision/aligner "
-                "tensor, not one per module group. That is what is measured here.",
+                "DeepSpeed 0.19's GatheredParameters(params, modifier_rank=0) is one context but not one "
+                "collective: on entry its 'coalesced' all-gather issues one all_gather_into_tensor per "
+                "parameter, and on exit it broadcasts every parameter from rank 0. So raylora's grouped "
+                "load costs two collectives per partitioned (trained vision/aligner) tensor, the same as "
+                "one GatheredParameters per parameter; only the Python overhead differs. That is what is "
+                "measured.",
                 "raylora's restore total = reading the safetensors/JSON files + gathered_load + "
                 "set_trainable_state (which writes each rank's slice of masters and moments locally: no "
                 "collectives). engine.load_checkpoint runs on an engine freshly built by the same setup.",
-                "prototype_slice_load_no_collectives is not raylora code: it shows that, since every rank holds "
-                "the full tensors read from the checkpoint, each rank can write its own partition (ds_tensor) "
-                "with no collective at all; 'exact' says whether a gather afterwards read back the saved values.",
+                "prototype_slice_load_no_collectives is not raylora code: it shows that, since every rank "
+                "holds the full tensors read from the checkpoint, each rank can write its own partition "
+                "(ds_tensor) with no collective at all; 'exact' says whether a gather afterwards read back "
+                "the saved values.",
             ],
         },
     )

@@ -45,7 +45,9 @@ def probe(runs: list, reps: int) -> list[dict]:
 
         rows: dict[str, list] = {"batched": [], "per_param": []}
         for _ in range(reps):
-            t, c, ours = common.counted_time(counter, lambda s=s: zero.gather_trainable_state(s.engine, s.params))
+            t, c, ours = common.counted_time(
+                counter, lambda s=s: zero.gather_trainable_state(s.engine, s.params)
+            )
             rows["batched"].append((t, c))
             t, c, public = common.counted_time(counter, per_parameter)
             rows["per_param"].append((t, c))
@@ -90,7 +92,9 @@ def main() -> None:
                 "collectives": common.summary([c["total"] for _, c in r[key]]),
                 "seconds": common.summary([t for t, _ in r[key]]),
                 "by_call_last_repeat": r[key][-1][1]["by_call"],
-                "bypassed_torch_distributed": r[key][-1][1]["deepspeed_calls_that_bypassed_torch_distributed"],
+                "bypassed_torch_distributed": r[key][-1][1][
+                    "deepspeed_calls_that_bypassed_torch_distributed"
+                ],
             }
 
         batched, per_param = fig("batched"), fig("per_param")
@@ -111,7 +115,9 @@ def main() -> None:
                 },
             }
         )
-    counts = {r["trainable_tensors"]: r["raylora_gather_trainable_state"]["collectives"]["median"] for r in rows}
+    counts = {
+        r["trainable_tensors"]: r["raylora_gather_trainable_state"]["collectives"]["median"] for r in rows
+    }
     independent = len(set(counts.values())) == 1 and len(counts) > 1
     common.write_result(
         args,
@@ -132,8 +138,8 @@ def main() -> None:
             "notes": [
                 "Counts are collective calls made by rank 0, counted where they enter torch.distributed or "
                 "deepspeed.comm, whichever comes first; barriers are not counted.",
-                "same_values: raylora's gathered masters and moments equal DeepSpeed's per-parameter ones, bit "
-                "for bit (last repeat).",
+                "same_values: raylora's gathered masters and moments equal DeepSpeed's per-parameter ones, "
+                "bit for bit (last repeat).",
             ],
         },
     )

@@ -70,15 +70,20 @@ def _kill_random_workers(run_dir: Path, times: int, stop: threading.Event, seed:
         while attempts() <= seen and not stop.is_set():
             time.sleep(0.2)
         seen = attempts()
-        time.sleep(rng.uniform(1.0, 5.0))
-        workers = [
-            a
-            for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-            if a.pid
-        ]
-        if len(workers) < 2 or stop.is_set():
+        time.sleep(rng.uniform(1.0, 4.0))
+        workers = []
+        for _ in range(50):  # the new group's actors may take a moment to be listed
+            workers = [
+                a.pid
+                for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+                if a.pid
+            ]
+            if len(workers) >= 2 or stop.is_set():
+                break
+            time.sleep(0.2)
+        if len(workers) < 2:
             continue
-        pid = rng.choice(workers).pid
+        pid = rng.choice(workers)
         try:
             os.kill(pid, signal.SIGKILL)
             killed.append(pid)
@@ -237,3 +242,18 @@ def test_checkpoints_hold_only_json_and_safetensors(straight):
     for folder in _checkpoints(storage / "straight"):
         names = {p.name for p in folder.iterdir()}
         assert all(n.endswith((".json", ".safetensors")) for n in names), names
+
+
+def test_elastic_worker_range(straight, tiny_models, digits):
+    storage, _ = straight
+    cfg = tiny_config(
+        tiny_models("llava"),
+        digits[0],
+        storage,
+        "elastic-range",
+        "train.max_steps=2",
+        "scaling.num_workers=[1,2]",
+    )
+    result = run(cfg)
+    final = _final(result)
+    assert final.state.step == 2 and final.state.world_size in (1, 2)

@@ -83,7 +83,7 @@ def test_bad_space_is_a_config_error(tiny_models, digits, tmp_path):
 def test_killed_tune_driver_resumes_unfinished_trials(ray_cluster, tiny_models, digits, tmp_path):
     space = tmp_path / "space.yaml"
     space.write_text("train.lr: {grid: [1.0e-3, 2.0e-3]}\n")
-    overrides = _base(tiny_models, digits, tmp_path, "drv", "train.max_steps=24")
+    overrides = _base(tiny_models, digits, tmp_path, "drv", "train.max_steps=12")
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     cmd = [
         sys.executable,
@@ -119,6 +119,6 @@ def test_killed_tune_driver_resumes_unfinished_trials(ray_cluster, tiny_models, 
     assert len(runs) == 2
     for run_name in runs:
         final = _final(tmp_path, run_name)
-        assert final.state.step == 24
+        assert final.state.step == 12
     for run_name in interrupted:  # these continued from their checkpoints instead of starting over
         assert _final(tmp_path, run_name).state.restarts >= 1

@@ -1,0 +1,71 @@
+"""Every benchmark script runs at its --tiny size and writes its JSON (a smoke test, not a timing).
+
+The figures themselves come from `make bench`; here only that each script works end to end, records the
+machine and the command, and keeps its raw samples.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RAY_SCRIPTS = [
+    "checkpoint_size",
+    "restore_collectives",
+    "save_collectives",
+    "throughput",
+    "recovery",
+    "scale",
+]
+
+
+def _run(script: str, tmp_path: Path) -> dict:
+    out, work = tmp_path / "results", tmp_path / "work"
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / f"{script}.py"),
+            "--tiny",
+            "--out",
+            str(out),
+            "--work",
+            str(work),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    result = json.loads((out / f"{script}.json").read_text())
+    assert result["machine"]["cpu_count"] == os.cpu_count()
+    assert f"bench/{script}.py" in result["command"] and "--tiny" in result["command"]
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("script", RAY_SCRIPTS)
+def test_bench_script_runs_tiny(script, tmp_path):
+    result = _run(script, tmp_path)
+    assert "goal" in result
+    text = json.dumps(result)
+    assert '"samples"' in text, "every figure keeps its raw samples"
+    if script == "scale":
+        assert (tmp_path / "results" / "scale.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_on_paper_runs_tiny(tmp_path):
+    result = _run("on_paper", tmp_path)
+    frozen, trained = result["models"]
+    assert frozen["lora_params"] == 39_976_960  # llava-1.5-7b, r=16 on q,k,v,o,gate,up,down of 32 layers
+    assert trained["trainable_params"] > frozen["trainable_params"]

@@ -55,7 +55,7 @@ def _kill_random_workers(run_dir: Path, times: int, stop: threading.Event, seed:
     import os
     import signal
 
-    from ray.util.state import list_actors
+    import ray
 
     from raylora.progress import ATTEMPTS_FILE
 
@@ -74,9 +74,9 @@ def _kill_random_workers(run_dir: Path, times: int, stop: threading.Event, seed:
         workers = []
         for _ in range(50):  # the new group's actors may take a moment to be listed
             workers = [
-                a.pid
-                for a in list_actors(filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
-                if a.pid
+                a["Pid"]
+                for a in ray._private.state.actors().values()  # this driver's cluster, via its GCS
+                if a["ActorClassName"] == "RayTrainWorker" and a["State"] == "ALIVE" and a.get("Pid")
             ]
             if len(workers) >= 2 or stop.is_set():
                 break
@@ -107,10 +107,15 @@ def test_many_faults_in_one_run_end_bitwise_equal(straight, tiny_models, digits)
         "fault.kill_at_steps=3",
         "fault.kill_checkpoint_steps=6",
     )
-    stop, killed = threading.Event(), []
-    killer = threading.Thread(
-        target=lambda: killed.extend(_kill_random_workers(storage / "many", 2, stop)), daemon=True
-    )
+    stop, killed, errors = threading.Event(), [], []
+
+    def killer_main():
+        try:
+            killed.extend(_kill_random_workers(storage / "many", 2, stop))
+        except Exception as err:  # surfaced below: a silent killer would make the test vacuous
+            errors.append(repr(err))
+
+    killer = threading.Thread(target=killer_main, daemon=True)
     killer.start()
     try:
         result = run(cfg)
@@ -118,6 +123,7 @@ def test_many_faults_in_one_run_end_bitwise_equal(straight, tiny_models, digits)
         stop.set()
         killer.join()
     assert result.error is None
+    assert not errors, errors
     assert len(killed) == 2, "the random killer should have struck twice during the run"
     final = _final(result)
     assert final.state.step == STEPS

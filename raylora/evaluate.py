@@ -92,3 +92,40 @@ def evaluate(model, processor, data_uri: str, batch_size: int = 32, max_samples:
         "loss": totals["loss_sum"] / max(totals["tokens"], 1),
         "samples": n,
     }
+
+
+@torch.no_grad()
+def evaluate_sharded(engine, processor, data: ImageTextData, max_samples: int, batch_size: int) -> dict:
+    """Inside ZeRO-3 training: score the first `max_samples` of `data`, sharded over the ranks.
+
+    Every rank must call this. Every rank runs the same number of batches (short shards repeat a
+    sample that is not counted) and generates with `synced_gpus`, because ZeRO-3 needs every rank in
+    every forward pass. Returns the same numbers on every rank.
+    """
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = min(len(data), max_samples)
+    per_rank = -(-n // world)
+    mine = list(range(rank * per_rank, min(n, (rank + 1) * per_rank)))
+    counted = [True] * len(mine) + [False] * (per_rank - len(mine))
+    mine += [0] * (per_rank - len(mine))
+    totals = torch.zeros(4, dtype=torch.float64)
+    model = engine.module
+    model.eval()
+    for i in range(0, per_rank, batch_size):
+        r = score(
+            model,
+            processor,
+            [data.example(j) for j in mine[i : i + batch_size]],
+            counted[i : i + batch_size],
+            synced_gpus=True,
+            device=engine.device,
+        )
+        totals += torch.tensor([r["correct"], r["loss_sum"], r["tokens"], r["samples"]], dtype=torch.float64)
+    model.train()
+    dist.all_reduce(totals)
+    return {
+        "eval_accuracy": totals[0].item() / totals[3].item(),
+        "eval_loss": totals[1].item() / totals[2].item(),
+    }

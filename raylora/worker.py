@@ -12,17 +12,13 @@ Restore order (TECH-NOTES: the engine builds its fp32 masters from the parameter
 from __future__ import annotations
 
 import logging
-import os
-import posixpath
 import shutil
-import signal
 import tempfile
 import time
 import warnings
 from dataclasses import dataclass
 
 import deepspeed
-import pyarrow.fs
 import ray.train
 import torch
 import torch.distributed as dist
@@ -33,9 +29,11 @@ from raylora import checkpoint, zero
 from raylora.arch import Architecture, detect
 from raylora.config import Config, redact, storage_path
 from raylora.data import IGNORE_INDEX, GlobalSampler, ImageTextData, answer_ids, make_batch
+from raylora.drills import maybe_kill
+from raylora.evaluate import evaluate_sharded
 from raylora.model import build_model, is_lora, module_groups, set_trainable, shapes, trainable_parameters
 from raylora.processor import load_processor
-from raylora.progress import count_attempt, run_folder
+from raylora.progress import count_attempt
 from raylora.resume import base_model_fingerprint, load_intact
 
 log = logging.getLogger("raylora")
@@ -168,47 +166,11 @@ def train_step(s: Setup) -> dict[str, float]:
     }
 
 
-def eval_step(s: Setup) -> dict[str, float]:
-    """Score the first `train.eval_samples` of data.eval, sharded over the ranks; same result on every rank.
-
-    Every rank runs the same number of batches (short shards repeat a sample that is not counted)
-    and generates with `synced_gpus`, because ZeRO-3 needs every rank in every forward pass.
-    """
-    from raylora.evaluate import score
-
-    data, cfg = s.eval_data, s.cfg
-    n = min(len(data), cfg.train.eval_samples)
-    per_rank = -(-n // s.world_size)
-    mine = list(range(s.rank * per_rank, min(n, (s.rank + 1) * per_rank)))
-    counted = [True] * len(mine) + [False] * (per_rank - len(mine))
-    mine += [0] * (per_rank - len(mine))
-    totals = torch.zeros(4, dtype=torch.float64)
-    model = s.engine.module
-    model.eval()
-    size = cfg.train.micro_batch_size
-    for i in range(0, per_rank, size):
-        r = score(
-            model,
-            s.processor,
-            [data.example(j) for j in mine[i : i + size]],
-            counted[i : i + size],
-            synced_gpus=True,
-            device=s.engine.device,
-        )
-        totals += torch.tensor([r["correct"], r["loss_sum"], r["tokens"], r["samples"]], dtype=torch.float64)
-    model.train()
-    dist.all_reduce(totals)
-    return {
-        "eval_accuracy": totals[0].item() / totals[3].item(),
-        "eval_loss": totals[1].item() / totals[2].item(),
-    }
-
-
 def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
     """Gather the trainable state (every rank takes part) and write it on rank 0."""
     gathered = zero.gather_trainable_state(s.engine, s.params)
     if s.rank != 0:
-        maybe_kill(s, while_checkpointing=True)
+        maybe_kill(s.cfg, s.step, s.rank, while_checkpointing=True)
         return None
     weights, moments = gathered
     state = checkpoint.TrainState(
@@ -229,31 +191,8 @@ def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
     )
     folder = tempfile.mkdtemp(prefix=f"raylora-step{s.step}-")
     checkpoint.save(folder, weights, moments, state, s.engine.module.peft_config["default"])
-    maybe_kill(s, while_checkpointing=True)  # written locally, not yet handed to Ray
+    maybe_kill(s.cfg, s.step, s.rank, while_checkpointing=True)  # written locally, not yet handed to Ray
     return ray.train.Checkpoint.from_directory(folder)
-
-
-def maybe_kill(s: Setup, while_checkpointing: bool = False) -> None:
-    """Fault drill: the configured rank kills its own process at each configured step, once.
-
-    A marker file in the run folder remembers each drill that fired, so the resumed run, which trains
-    that step again, goes on.
-    """
-    f = s.cfg.fault
-    steps = f.kill_checkpoint_steps if while_checkpointing else f.kill_at_steps
-    if s.step not in steps or s.rank != f.kill_rank:
-        return
-    fs, folder = run_folder(storage_path(s.cfg), s.cfg.run.name)
-    kind = "checkpoint" if while_checkpointing else "step"
-    marker = posixpath.join(folder, f".raylora-drill-{kind}{s.step}")
-    if fs.get_file_info(marker).type != pyarrow.fs.FileType.NotFound:
-        return
-    fs.create_dir(folder, recursive=True)
-    with fs.open_output_stream(marker) as out:
-        out.write(b"fired\n")
-    where = "while writing the checkpoint of" if while_checkpointing else "before"
-    log.warning("fault drill: rank %d kills itself %s step %d", s.rank, where, s.step)
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train_loop_per_worker(cfg: Config) -> list[dict]:
@@ -273,11 +212,15 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
     history, started = [], time.perf_counter()
     first_step = s.step
     while s.step < cfg.train.max_steps:
-        maybe_kill(s)
+        maybe_kill(cfg, s.step, s.rank)
         metrics = train_step(s)
         done = s.step == cfg.train.max_steps
         if cfg.train.eval_every and (done or s.step % cfg.train.eval_every == 0):
-            metrics.update(eval_step(s))
+            metrics.update(
+                evaluate_sharded(
+                    s.engine, s.processor, s.eval_data, cfg.train.eval_samples, cfg.train.micro_batch_size
+                )
+            )
             if s.rank == 0:
                 log.info(
                     "step %d eval accuracy %.3f loss %.4f",

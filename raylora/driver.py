@@ -100,7 +100,8 @@ def init_ray(num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address)
     else:
-        ray.init(num_cpus=num_cpus, runtime_env={"env_vars": RAY_ENV})
+        # "local": a new Ray of our own, even if someone ran `ray start` here (RAY_ADDRESS=auto joins that)
+        ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": RAY_ENV})
 
 
 def run(cfg: Config, callbacks: list | None = None) -> ray.train.Result:

@@ -129,6 +129,15 @@ def _checkpoints(run_dir: Path) -> list[Path]:
     return sorted(p for p in run_dir.glob("checkpoint_*") if (p / checkpoint.MANIFEST).exists())
 
 
+def _newest_intact_step(run_dir: Path) -> int:
+    for folder in reversed(_checkpoints(run_dir)):
+        try:
+            return checkpoint.load(folder).state.step
+        except checkpoint.CheckpointError:  # a copy the stop cut short
+            continue
+    raise AssertionError(f"no intact checkpoint in {run_dir}")
+
+
 def test_job_submit_succeeds_with_checkpoints(head, settings):
     storage, base = settings
     _submit(head, "raylora-once", base + ["run.name=once", "train.max_steps=6"])
@@ -151,7 +160,7 @@ def test_stopped_job_resumes_when_submitted_again(head, settings):
     while _status(head, "raylora-stop-1") != "STOPPED" and time.time() < deadline:
         time.sleep(1)
     assert _status(head, "raylora-stop-1") == "STOPPED"
-    saved = checkpoint.load(_checkpoints(storage / "stopped")[-1]).state.step
+    saved = _newest_intact_step(storage / "stopped")
     assert 0 < saved < 300
     # the same run name again, with a shorter schedule so the test ends soon: it must resume, not restart
     _submit(head, "raylora-stop-2", base + ["run.name=stopped", f"train.max_steps={saved + 3}"])
@@ -159,6 +168,10 @@ def test_stopped_job_resumes_when_submitted_again(head, settings):
     assert final.step == saved + 3 and final.restarts >= 1
     rows = read_metrics(str(storage), "stopped")
     second = [r for r in rows if r["restarts"] >= 1]
-    assert second and second[0]["step"] > saved, "the resubmitted job trained from the start again"
+    assert second, "the resubmitted job did not run"
+    resumed_at = second[0]["step"] - 1
+    # it resumed from a checkpoint Ray had registered: the newest folder on disk may be one that the
+    # stop interrupted before Ray recorded it, so at most one checkpoint interval (3 steps) is redone
+    assert resumed_at > 0 and resumed_at % 3 == 0 and resumed_at >= saved - 3, (resumed_at, saved)
     logs = _job(head, "logs", "raylora-stop-2").stdout
     assert f"resumed from checkpoint at step {second[0]['step'] - 1}" in logs

@@ -49,15 +49,8 @@ REGISTRY: dict[str, Architecture] = {
         Architecture("idefics3", "model.text_model", "model.vision_model", "model.connector"),
         Architecture("gemma3", "model.language_model", "model.vision_tower", "model.multi_modal_projector"),
         Architecture("internvl", "model.language_model", "model.vision_tower", "model.multi_modal_projector"),
-        # Mistral3 (Pixtral vision tower; the patch merger is in the projector). Untested: transformers'
-        # PixtralProcessor cannot be imported without torchvision, so no tiny model has a processor here.
-        Architecture(
-            "mistral3",
-            "model.language_model",
-            "model.vision_tower",
-            "model.multi_modal_projector",
-            tested=False,
-        ),
+        # Mistral3 (Mistral-Small-3.1; Pixtral vision tower, the patch merger is in the projector)
+        Architecture("mistral3", "model.language_model", "model.vision_tower", "model.multi_modal_projector"),
         # Phi-3 / Phi-3.5-vision: remote code (trust_remote_code, AutoModelForCausalLM), which raylora does
         # not load. Its embeddings and final norm sit beside the decoder layers under `model.`, so the
         # language model is the decoder layers, where LoRA goes.

@@ -3,13 +3,18 @@
 In transformers 5 the Qwen2-VL family's processors require a video processor, and video processors
 require torchvision. raylora trains on images only, so where torchvision is missing (CPU machines with
 the CPU torch wheel, where PyPI's torchvision does not import) it builds the same processor class
-without its video part. The folder on disk stays a standard one that `AutoProcessor` loads elsewhere.
+without its video part. Pixtral's processor (Mistral3) needs torchvision only for one import, which
+`pixtral_processor_class` answers from transformers' PIL image processor. The folder on disk stays a
+standard one that `AutoProcessor` loads elsewhere.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import transformers
@@ -33,6 +38,32 @@ def image_only_processor_class(cls: type) -> type:
     )
 
 
+@functools.cache
+def pixtral_processor_class() -> type:
+    """transformers' own `PixtralProcessor`, also where torchvision is not installed.
+
+    transformers 5.23 marks the class as needing torchvision because its module imports one helper,
+    `get_resize_output_image_size` (used only to count image tokens ahead of a request), from the
+    torchvision image processor module; the PIL image processor module defines the same function.
+    raylora imports the processor module once with the PIL module answering that single import, then
+    takes the import back out, so the real class is used and no other module sees the stand-in.
+    """
+    if importlib.util.find_spec("torchvision") is not None:
+        return transformers.PixtralProcessor
+    stand_in = "transformers.models.pixtral.image_processing_pixtral"
+    pil = importlib.import_module("transformers.models.pixtral.image_processing_pil_pixtral")
+    sys.modules[stand_in] = pil
+    try:
+        module = importlib.import_module("transformers.models.pixtral.processing_pixtral")
+    finally:
+        del sys.modules[stand_in]
+    return module.PixtralProcessor
+
+
+# Processor classes whose transformers import needs torchvision, and where raylora finds them without it.
+TORCHVISION_FREE = {"PixtralProcessor": pixtral_processor_class}
+
+
 def load_processor(model_path: str | Path):
     """`AutoProcessor.from_pretrained(model_path)`, or its image-only form where video needs torchvision."""
     try:
@@ -42,6 +73,8 @@ def load_processor(model_path: str | Path):
         if not config_file.exists():
             raise
         class_name = json.loads(config_file.read_text()).get("processor_class", "")
+        if class_name in TORCHVISION_FREE:
+            return TORCHVISION_FREE[class_name]().from_pretrained(model_path)
         cls = getattr(transformers, class_name, None)
         if cls is None or "video_processor" not in cls.get_attributes():
             raise

@@ -50,6 +50,12 @@ INTERNVL_CHAT_TEMPLATE = (  # InternVL3 (-hf): Qwen2's turns, the image as <IMG_
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+MISTRAL3_CHAT_TEMPLATE = (  # Mistral-Small-3.1: [INST]...[/INST]answer</s>, the image as [IMG]
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}[IMG]{% else %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}[/INST]{% else %}{% for c in message['content'] %}{{ c['text'] }}"
+    "{% endfor %}</s>{% endif %}{% endfor %}"
+)
 
 SPECIAL_TOKENS = [
     "<pad>",
@@ -75,6 +81,7 @@ GEMMA3_TOKENS = {
     "eoi_token": "<end_of_image>",
     "image_token": "<image_soft_token>",
 }
+MISTRAL3_TOKENS = ["[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 INTERNVL_TOKENS = {
     "start_image_token": "<img>",
     "end_image_token": "</img>",
@@ -354,6 +361,40 @@ def _internvl(width: int, layers: int):
     return config, processor
 
 
+def _mistral3(width: int, layers: int):
+    from transformers import Mistral3Config, MistralConfig, PixtralImageProcessorPil, PixtralVisionConfig
+
+    from raylora.processor import pixtral_processor_class
+
+    tokenizer = build_tokenizer(extra_tokens=MISTRAL3_TOKENS)
+    # Pixtral keeps an image's own size (8x8 digits, no upscaling): 2 px patches, merged 2x2 by the
+    # projector, give 2x2 image tokens, each row closed by [IMG_BREAK] and the image by [IMG_END].
+    patch_size, merge = 2, 2
+    text = _text_config(tokenizer, width, layers)
+    text["head_dim"] = width // 4
+    config = Mistral3Config(
+        vision_config=PixtralVisionConfig(
+            **_vision(width, layers, head_dim=width // 4) | {"patch_size": patch_size}
+        ),
+        text_config=MistralConfig(**text),
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"),
+        spatial_merge_size=merge,
+        vision_feature_layer=-1,
+        tie_word_embeddings=False,
+    )
+    image_processor = PixtralImageProcessorPil(
+        size={"longest_edge": IMAGE_SIZE}, patch_size={"height": patch_size, "width": patch_size}
+    )
+    processor = pixtral_processor_class()(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=patch_size,
+        spatial_merge_size=merge,
+        chat_template=MISTRAL3_CHAT_TEMPLATE,
+    )
+    return config, processor
+
+
 # model_type -> a builder of (config, processor); raylora.assets.build_tiny_model turns them into a model.
 BUILDERS = {
     "llava": _llava,
@@ -362,6 +403,7 @@ BUILDERS = {
     "idefics3": _idefics3,
     "gemma3": _gemma3,
     "internvl": _internvl,
+    "mistral3": _mistral3,
 }
 # Weights that transformers' initialisation leaves unlike any trained model's, set after `from_config`.
 FIX_WEIGHTS = {"gemma3": _gemma3_weights}

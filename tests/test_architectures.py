@@ -27,7 +27,8 @@ from tests.conftest import tiny_config
 from tests.test_resume import _restore_probe
 
 PARTS = ("language_model", "vision_tower", "aligner")
-NEWER_ARCHS = ["qwen2_5_vl", "idefics3", "gemma3", "internvl"]  # llava, qwen2_vl: tests/test_resume.py
+# llava and qwen2_vl go through tests/test_resume.py
+NEWER_ARCHS = ["qwen2_5_vl", "idefics3", "gemma3", "internvl", "mistral3"]
 
 
 def test_tested_architectures_are_the_tiny_ones():
@@ -88,35 +89,6 @@ def test_batch_feeds_forward_and_every_part_learns(arch, tiny_models, digits):
     prompts = make_batch(processor, examples, with_answers=False)
     out = model.generate(**prompts, max_new_tokens=2, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape[0] == len(examples) and out.shape[1] > prompts["input_ids"].shape[1]
-
-
-def test_mistral3_prefixes_match_model_from_config():
-    """Registered but untested (no processor without torchvision): its prefixes still match the model."""
-    from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
-
-    config = Mistral3Config(
-        vision_config=PixtralVisionConfig(
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            head_dim=16,
-            image_size=16,
-            patch_size=4,
-        ),
-        text_config=MistralConfig(
-            vocab_size=64,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            head_dim=16,
-        ),
-        image_token_index=10,
-    )
-    assert not REGISTRY["mistral3"].tested
-    _check_prefixes(AutoModelForImageTextToText.from_config(config), REGISTRY["mistral3"])
 
 
 @pytest.mark.distributed

@@ -3,7 +3,7 @@
 Tiny Llava models of growing width, LoRA r=4 on every linear layer of the language model, vision tower
 and aligner frozen. Per size, on the same trained state:
 - raylora: `worker.save_checkpoint`; restore as `worker.setup(cfg, loaded)` runs it (read files,
-  `zero.gathered_load`, `zero.set_trainable_state`);
+  `zero.partition_load`, `zero.set_trainable_state`);
 - Ray's DeepSpeed example: every rank calls `engine.save_checkpoint`; `engine.load_checkpoint` on a
   freshly built engine.
 Writes bench/results/scale.json and scale.png.
@@ -50,7 +50,7 @@ def probe(runs: list, out_dir: str, reps: int) -> list[dict]:
 
             # raylora's restore, timed where worker.setup runs it
             spent = []
-            real_load, real_set = zero.gathered_load, zero.set_trainable_state
+            real_load, real_set = zero.partition_load, zero.set_trainable_state
 
             def timed(real, spent=spent):
                 def call(*a, **kw):
@@ -63,11 +63,11 @@ def probe(runs: list, out_dir: str, reps: int) -> list[dict]:
             start = time.perf_counter()
             loaded = checkpoint.load(ours)
             read = time.perf_counter() - start
-            zero.gathered_load, zero.set_trainable_state = timed(real_load), timed(real_set)
+            zero.partition_load, zero.set_trainable_state = timed(real_load), timed(real_set)
             try:
                 fresh = worker.setup(cfg, loaded)
             finally:
-                zero.gathered_load, zero.set_trainable_state = real_load, real_set
+                zero.partition_load, zero.set_trainable_state = real_load, real_set
             rows["restore"].append(read + sum(spent))
             seconds, _ = common.barrier_time(
                 lambda fresh=fresh, full=full: fresh.engine.load_checkpoint(str(full), tag="ckpt")
@@ -221,7 +221,7 @@ def main() -> None:
                 "frozen parameter (frozen_param_fragments, in the model's dtype: fp32 here, bf16 on GPU) "
                 "plus the fp32 partitions and Adam moments of the trainable ones: it grows with the base "
                 "model.",
-                "raylora restore = reading the files + gathered_load + set_trainable_state; DeepSpeed load "
+                "raylora restore = reading the files + partition_load + set_trainable_state; DeepSpeed load "
                 "= engine.load_checkpoint on the engine that the same restore built.",
             ],
         },

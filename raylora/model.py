@@ -72,15 +72,5 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter
     return {base_name(n): p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def module_groups(
-    params: dict[str, torch.nn.Parameter], arch: Architecture
-) -> dict[str, dict[str, torch.nn.Parameter]]:
-    """Trainable parameters grouped by the part of the model they belong to (one gather per group)."""
-    groups: dict[str, dict[str, torch.nn.Parameter]] = {}
-    for name, param in params.items():
-        groups.setdefault(arch.part_of(name) or "other", {})[name] = param
-    return groups
-
-
 def shapes(params: dict[str, torch.nn.Parameter]) -> dict[str, list[int]]:
     return {name: list(full_shape(p)) for name, p in params.items()}

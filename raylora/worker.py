@@ -5,7 +5,7 @@ Restore order (TECH-NOTES: the engine builds its fp32 masters from the parameter
 1. build the base model (ZeRO-3 partitioned) and LoRA;
 2. mark what is trained (PEFT froze the vision tower and aligner when it wrapped the model);
 3. check the checkpoint's trainable names and shapes against the model's, before touching anything;
-4. gathered partial load of the saved weights into the partitions;
+4. partial load of the saved weights into each rank's ZeRO-3 partitions (no collectives);
 5. `deepspeed.initialize`, then the fp32 masters, Adam moments, scheduler, step and sampler position.
 """
 
@@ -31,7 +31,7 @@ from raylora.config import Config, redact, storage_path
 from raylora.data import IGNORE_INDEX, GlobalSampler, ImageTextData, answer_ids, make_batch
 from raylora.drills import maybe_kill
 from raylora.evaluate import evaluate_sharded
-from raylora.model import build_model, is_lora, module_groups, set_trainable, shapes, trainable_parameters
+from raylora.model import build_model, is_lora, set_trainable, shapes, trainable_parameters
 from raylora.processor import load_processor
 from raylora.progress import count_attempt
 from raylora.resume import base_model_fingerprint, load_intact
@@ -75,7 +75,7 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
     params = trainable_parameters(model)
     if restore_from is not None:
         checkpoint.check_compatible(restore_from.state, shapes(params))
-        zero.gathered_load(module_groups(params, arch), restore_from.weights)
+        zero.partition_load(params, restore_from.weights)
 
     def schedule(optimizer):
         return get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, cfg.train.max_steps)

@@ -5,9 +5,10 @@ per parameter group (`optimizer.fp32_partitioned_groups_flat[i]`), at the offset
 `optimizer.grad_position`. raylora reads and writes those directly:
 - saving gathers whole flat partitions, one collective per group, not one per parameter
   (`safe_get_full_fp32_param` would be one all-gather per LoRA tensor: hundreds per save);
-- restoring writes each rank's slice from the full tensors every rank read from the checkpoint,
-  with no collective at all (`safe_set_full_fp32_param` cannot write a last partition that holds
-  padding).
+- restoring writes each rank's slice of the model's partitions, the masters and the moments from the
+  full tensors every rank read from the checkpoint, with no collective at all (`GatheredParameters`
+  is one all-gather and one broadcast per parameter; `safe_set_full_fp32_param` cannot write a last
+  partition that holds padding).
 `tests/test_zero_internals.py` checks this module against DeepSpeed's public per-parameter API, so a
 DeepSpeed upgrade that moves these internals fails loudly there.
 """
@@ -19,6 +20,7 @@ from collections import defaultdict
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from raylora.config import Config
 
@@ -65,22 +67,34 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(param.ds_shape) if is_partitioned(param) else tuple(param.shape)
 
 
-def gathered_load(groups: dict[str, dict[str, torch.nn.Parameter]], values: dict[str, torch.Tensor]) -> None:
-    """Copy `values` into parameters before `deepspeed.initialize`, one gather per module group.
+def partition_load(params: dict[str, torch.nn.Parameter], values: dict[str, torch.Tensor]) -> None:
+    """Write saved weights into the model's ZeRO-3 partitions before `deepspeed.initialize`; no collectives.
 
-    Partitioned parameters (the base model's, partitioned as `from_pretrained` loaded them) are
-    gathered per group, written on rank 0 and broadcast back into partitions on exit. Parameters
-    without a `ds_id` (LoRA tensors that PEFT added after loading) are skipped by GatheredParameters,
-    so every rank copies those itself.
+    Every rank read the full tensors from the checkpoint, so each writes its own partition of every
+    partitioned parameter (ZeRO-3's layout: the flattened parameter, padded to world * partition size,
+    rank r holding slice r; the padding stays zero) and copies plain parameters (the LoRA tensors PEFT
+    added after `from_pretrained`) whole. Not `GatheredParameters(modifier_rank=0)`: DeepSpeed 0.19 sends
+    one all-gather per parameter entering it and one broadcast per parameter leaving it, to move values
+    every rank already holds. `tests/test_zero_internals.py` reads the result back through that API.
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    for params in groups.values():
-        wanted = {n: p for n, p in params.items() if n in values}
-        partitioned = [p for p in wanted.values() if is_partitioned(p)]
-        with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=0), torch.no_grad():
-            for name, param in wanted.items():
-                if not is_partitioned(param) or rank == 0:
-                    param.data.copy_(values[name].to(param.dtype).view(param.shape))
+    with torch.no_grad():
+        for name, param in params.items():
+            if name not in values:
+                continue
+            value = values[name]
+            if not is_partitioned(param):
+                param.data.copy_(value.to(param.dtype).view(param.shape))
+                continue
+            if param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param.ds_secondary_tensor is not None:
+                # a live gathered copy, or ZeRO++'s secondary partition, would keep values this misses;
+                # neither exists before `initialize` under raylora's deepspeed_config (no hpZ)
+                raise RuntimeError(f"{name}: expected a released ZeRO-3 partition ({param.ds_status})")
+            part = param.ds_tensor
+            length = part.ds_numel
+            rank = dist.get_rank(group=param.ds_process_group)
+            chunk = value.reshape(-1)[rank * length : (rank + 1) * length]
+            part.data.zero_()
+            part.data[: chunk.numel()].copy_(chunk.to(part.dtype))
 
 
 def _zero_optimizer(engine):

@@ -1,8 +1,8 @@
 """raylora.zero reads and writes DeepSpeed ZeRO-3 internals; check it against DeepSpeed's public API.
 
-If a DeepSpeed upgrade moves the flat fp32 partitions, `grad_position` or the optimizer state keys,
-this test fails loudly. Three workers, so that partitions carry padding (64-wide tensors do not
-split evenly in three).
+If a DeepSpeed upgrade moves the flat fp32 partitions, `grad_position`, the optimizer state keys or
+the layout of a parameter's partition, this test fails loudly. Three workers, so that partitions carry
+padding (64-wide tensors do not split evenly in three).
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ def _probe(cfg) -> dict:
         )
         report["padded"] = padded
         report["num_params"] = len(s.params)
+    # the restore's partition load, read back through GatheredParameters (LoRA is partitioned by now too)
+    zero.partition_load(s.params, {n: -w for n, w in new_w.items()})
+    loaded = zero.read_params(s.params)
+    if s.rank == 0:
+        report["load_matches"] = all(torch.equal(loaded[n], -w) for n, w in new_w.items())
     return report
 
 
@@ -92,3 +97,4 @@ def test_zero_state_helpers_match_deepspeed_public_api(ray_cluster, tiny_models,
     assert report["moments_nonzero"]
     assert report["gather_matches"], "batched gather differs from safe_get_full_fp32_param/optimizer_state"
     assert report["set_matches"], "set_trainable_state differs from what DeepSpeed reads back"
+    assert report["load_matches"], "partition_load differs from what GatheredParameters reads back"

@@ -121,34 +121,10 @@ def digits(work: str | Path) -> str:
 
 
 def config(model_dir: str, train_file: str, storage: str | Path, name: str, *overrides: str):
-    """tests/conftest.py's tiny run: fully partitioned ZeRO-3, vision tower and aligner trained."""
-    from raylora import config as cfgmod
+    """The tests' tiny run (`raylora.assets.tiny_run_config`), with no checkpoints unless asked for."""
+    from raylora.assets import tiny_run_config
 
-    return cfgmod.load(
-        None,
-        [
-            f"model.path={model_dir}",
-            f"data.train={train_file}",
-            f"run.storage_path={storage}",
-            f"run.name={name}",
-            "train.max_steps=6",
-            "train.global_batch_size=8",
-            "train.micro_batch_size=2",
-            "train.lr=1e-3",
-            "train.warmup_steps=2",
-            "train.checkpoint_every=1000",
-            "train.freeze_vision=false",
-            "train.freeze_aligner=false",
-            "train.param_persistence_threshold=0",
-            "lora.r=4",
-            "lora.alpha=8",
-            "lora.dropout=0.1",
-            "scaling.num_workers=2",
-            "run.max_failures=2",
-            "run.num_to_keep=10",
-            *overrides,
-        ],
-    )
+    return tiny_run_config(model_dir, train_file, storage, name, "train.checkpoint_every=1000", *overrides)
 
 
 # ------------------------------------------------------------------------------------------------ Ray

@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from raylora import config
 from raylora.assets import make_digits, make_tiny_model
 
 os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray's default; explicit so tests do not depend on ~/.ray
@@ -44,32 +43,3 @@ def ray_cluster():
 
     init_ray(num_cpus=4)
     return ray
-
-
-def tiny_config(model_dir: str, train_file, storage, name: str, *overrides: str) -> config.Config:
-    """A small, fully partitioned ZeRO-3 run: vision tower and aligner trained, dropout on."""
-    return config.load(
-        None,
-        [
-            f"model.path={model_dir}",
-            f"data.train={train_file}",
-            f"run.storage_path={storage}",
-            f"run.name={name}",
-            "train.max_steps=6",
-            "train.global_batch_size=8",
-            "train.micro_batch_size=2",
-            "train.lr=1e-3",
-            "train.warmup_steps=2",
-            "train.checkpoint_every=2",
-            "train.freeze_vision=false",
-            "train.freeze_aligner=false",
-            "train.param_persistence_threshold=0",
-            "lora.r=4",
-            "lora.alpha=8",
-            "lora.dropout=0.1",
-            "scaling.num_workers=2",
-            "run.max_failures=2",
-            "run.num_to_keep=10",
-            *overrides,
-        ],
-    )

@@ -19,11 +19,10 @@ from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint
 from raylora.arch import REGISTRY, Architecture, detect, lora_target_regex
-from raylora.assets import TINY_ARCHS
+from raylora.assets import TINY_ARCHS, tiny_run_config
 from raylora.data import IGNORE_INDEX, ImageTextData, make_batch
 from raylora.driver import run
 from raylora.processor import load_processor
-from tests.conftest import tiny_config
 from tests.test_resume import _restore_probe
 
 PARTS = ("language_model", "vision_tower", "aligner")
@@ -97,7 +96,7 @@ def test_batch_feeds_forward_and_every_part_learns(arch, tiny_models, digits):
 def test_zero3_two_steps_then_restore_equals_checkpoint(arch, ray_cluster, tiny_models, digits, tmp_path):
     model_dir = tiny_models(arch)
     overrides = ["train.max_steps=2", "train.checkpoint_every=2"]
-    result = run(tiny_config(model_dir, digits[0], tmp_path, f"two-steps-{arch}", *overrides))
+    result = run(tiny_run_config(model_dir, digits[0], tmp_path, f"two-steps-{arch}", *overrides))
     assert result.error is None
     assert math.isfinite(result.metrics["loss"])
     with result.checkpoint.as_directory() as folder:
@@ -106,7 +105,7 @@ def test_zero3_two_steps_then_restore_equals_checkpoint(arch, ray_cluster, tiny_
         entry = REGISTRY[arch]
         trained = {entry.part_of(n) for n in loaded.state.trainable}
         assert trained == set(PARTS), f"trained parts {trained}: LoRA, vision tower and aligner expected"
-        cfg = tiny_config(model_dir, digits[0], tmp_path, f"probe-{arch}", *overrides)
+        cfg = tiny_run_config(model_dir, digits[0], tmp_path, f"probe-{arch}", *overrides)
         trainer = TorchTrainer(
             lambda: _restore_probe(cfg, folder),
             scaling_config=ray.train.ScalingConfig(num_workers=2),

@@ -16,10 +16,10 @@ import torch
 from ray.train import TrainingFailedError
 
 from raylora import checkpoint
+from raylora.assets import tiny_run_config
 from raylora.config import ConfigError
 from raylora.driver import run
 from raylora.progress import read_metrics
-from tests.conftest import tiny_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -40,7 +40,7 @@ def straight(ray_cluster, tiny_models, digits, tmp_path_factory):
     """The uninterrupted reference run (2 workers, dropout on)."""
     storage = tmp_path_factory.mktemp("faults")
     result = run(
-        tiny_config(tiny_models("llava"), digits[0], storage, "straight", f"train.max_steps={STEPS}")
+        tiny_run_config(tiny_models("llava"), digits[0], storage, "straight", f"train.max_steps={STEPS}")
     )
     assert result.error is None
     return storage, _final(result)
@@ -96,7 +96,7 @@ def test_many_faults_in_one_run_end_bitwise_equal(straight, tiny_models, digits)
     storage, reference = straight
     # drills: rank 0 dies before step 3 and again while writing the step-6 checkpoint; meanwhile two
     # random workers are killed at random moments from outside
-    cfg = tiny_config(
+    cfg = tiny_run_config(
         tiny_models("llava"),
         digits[0],
         storage,
@@ -138,7 +138,7 @@ def test_many_faults_in_one_run_end_bitwise_equal(straight, tiny_models, digits)
 
 def test_kill_while_checkpointing_then_resume_bitwise(straight, tiny_models, digits):
     storage, reference = straight
-    cfg = tiny_config(
+    cfg = tiny_run_config(
         tiny_models("llava"),
         digits[0],
         storage,
@@ -163,17 +163,17 @@ def test_other_worker_counts_2_1_2(straight, tiny_models, digits):
     storage, _ = straight
     base = [f"train.max_steps={STEPS}", "lora.dropout=0.0", "run.max_failures=0", "fault.kill_rank=0"]
     model, data = tiny_models("llava"), digits[0]
-    reference = run(tiny_config(model, data, storage, "elastic-ref", *base))
+    reference = run(tiny_run_config(model, data, storage, "elastic-ref", *base))
     # 2 workers until step 4 (the drill then fails the run), 1 worker until step 8, 2 workers to the end
     with pytest.raises(TrainingFailedError):
-        run(tiny_config(model, data, storage, "elastic", *base, "fault.kill_at_steps=5"))
+        run(tiny_run_config(model, data, storage, "elastic", *base, "fault.kill_at_steps=5"))
     with pytest.raises(TrainingFailedError):
         run(
-            tiny_config(
+            tiny_run_config(
                 model, data, storage, "elastic", *base, "fault.kill_at_steps=9", "scaling.num_workers=1"
             )
         )
-    third = run(tiny_config(model, data, storage, "elastic", *base, "scaling.num_workers=2"))
+    third = run(tiny_run_config(model, data, storage, "elastic", *base, "scaling.num_workers=2"))
     assert third.error is None
     ref, got = _final(reference), _final(third)
     assert got.state.step == STEPS and got.state.world_size == 2 and got.state.restarts == 2
@@ -196,12 +196,12 @@ def test_damaged_latest_checkpoint_falls_back_to_intact_one(straight, tiny_model
     storage, _ = straight
     model, data = tiny_models("llava"), digits[0]
     run_dir = storage / "damaged"
-    assert run(tiny_config(model, data, storage, "damaged", "train.max_steps=6")).error is None
+    assert run(tiny_run_config(model, data, storage, "damaged", "train.max_steps=6")).error is None
     folders = _checkpoints(run_dir)  # steps 2, 4, 6
     (folders[-1] / checkpoint.OPTIMIZER).write_bytes((folders[-1] / checkpoint.OPTIMIZER).read_bytes()[:-100])
     (folders[-2] / checkpoint.STATE).write_text("{ not json")
     # longer schedule on the same run: it must resume from the step-2 checkpoint, the newest intact one
-    result = run(tiny_config(model, data, storage, "damaged", "train.max_steps=8"))
+    result = run(tiny_run_config(model, data, storage, "damaged", "train.max_steps=8"))
     assert result.error is None
     rows = read_metrics(str(storage), "damaged")
     assert [r["step"] for r in rows if r["restarts"] == 1][0] == 3
@@ -209,7 +209,7 @@ def test_damaged_latest_checkpoint_falls_back_to_intact_one(straight, tiny_model
     for folder in _checkpoints(run_dir):
         (folder / checkpoint.ADAPTER_WEIGHTS).unlink(missing_ok=True)
     with pytest.raises(TrainingFailedError) as failed:
-        run(tiny_config(model, data, storage, "damaged", "train.max_steps=10", "run.max_failures=0"))
+        run(tiny_run_config(model, data, storage, "damaged", "train.max_steps=10", "run.max_failures=0"))
     errors = [str(e) for e in getattr(failed.value, "worker_failures", {}).values()]
     assert errors and all("no intact checkpoint" in e for e in errors), errors
 
@@ -226,7 +226,7 @@ def test_mismatched_checkpoint_is_refused_naming_it(straight, tiny_models, digit
     storage, _ = straight
     with pytest.raises(ConfigError, match=message):
         run(
-            tiny_config(
+            tiny_run_config(
                 tiny_models("llava"), digits[0], storage, "straight", f"train.max_steps={STEPS + 2}", change
             )
         )
@@ -235,12 +235,12 @@ def test_mismatched_checkpoint_is_refused_naming_it(straight, tiny_models, digit
 def test_other_base_model_or_architecture_is_refused(straight, tiny_models, digits, tmp_path):
     storage, _ = straight
     with pytest.raises(ConfigError, match="made for architecture llava; model.path is a qwen2_vl model"):
-        run(tiny_config(tiny_models("qwen2_vl"), digits[0], storage, "straight"))
+        run(tiny_run_config(tiny_models("qwen2_vl"), digits[0], storage, "straight"))
     from raylora.assets import make_tiny_model
 
     other = make_tiny_model(tmp_path / "other-llava", "llava", seed=1)  # same shapes, other weights
     with pytest.raises(ConfigError, match="made on another base model"):
-        run(tiny_config(str(other), digits[0], storage, "straight"))
+        run(tiny_run_config(str(other), digits[0], storage, "straight"))
 
 
 def test_checkpoints_hold_only_json_and_safetensors(straight):
@@ -252,7 +252,7 @@ def test_checkpoints_hold_only_json_and_safetensors(straight):
 
 def test_elastic_worker_range(straight, tiny_models, digits):
     storage, _ = straight
-    cfg = tiny_config(
+    cfg = tiny_run_config(
         tiny_models("llava"),
         digits[0],
         storage,

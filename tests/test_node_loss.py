@@ -8,8 +8,8 @@ import time
 import pytest
 
 from raylora import checkpoint
+from raylora.assets import tiny_run_config
 from raylora.progress import read_metrics
-from tests.conftest import tiny_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -45,7 +45,7 @@ def test_run_finishes_after_losing_a_node(cluster, tiny_models, digits, tmp_path
     from raylora.driver import run
 
     c, nodes = cluster
-    cfg = tiny_config(
+    cfg = tiny_run_config(
         tiny_models("llava"),
         digits[0],
         tmp_path,

@@ -16,8 +16,8 @@ from ray.train.torch import TorchTrainer
 from safetensors.torch import load_file
 
 from raylora import checkpoint
+from raylora.assets import tiny_run_config
 from raylora.driver import run
-from tests.conftest import tiny_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -29,8 +29,8 @@ def runs(request, ray_cluster, tiny_models, digits, tmp_path_factory):
     arch = request.param
     storage = tmp_path_factory.mktemp(f"runs-{arch}")
     model_dir = tiny_models(arch)
-    straight = run(tiny_config(model_dir, digits[0], storage, "straight"))
-    killed = run(tiny_config(model_dir, digits[0], storage, "killed", f"fault.kill_at_steps={KILL_AT}"))
+    straight = run(tiny_run_config(model_dir, digits[0], storage, "straight"))
+    killed = run(tiny_run_config(model_dir, digits[0], storage, "killed", f"fault.kill_at_steps={KILL_AT}"))
     assert straight.error is None and killed.error is None
     return {"arch": arch, "model_dir": model_dir, "straight": straight, "killed": killed, "storage": storage}
 
@@ -130,7 +130,7 @@ def test_restore_equals_checkpoint_before_any_step(runs, tmp_path):
     arch_ckpt = runs["straight"].best_checkpoints[0][0]  # the step-2 checkpoint, mid-schedule
     with arch_ckpt.as_directory() as folder:
         state = checkpoint.load(folder).state
-        cfg = tiny_config(runs["model_dir"], state.config["data"]["train"], tmp_path, "probe")
+        cfg = tiny_run_config(runs["model_dir"], state.config["data"]["train"], tmp_path, "probe")
         trainer = TorchTrainer(
             lambda: _restore_probe(cfg, folder),
             scaling_config=ray.train.ScalingConfig(num_workers=2),

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 
 from raylora import checkpoint
+from raylora.assets import tiny_run_config
 from raylora.driver import run
 from raylora.progress import read_metrics
-from tests.conftest import tiny_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_run_resumes_from_uri_storage(ray_cluster, tiny_models, digits, tmp_path):
     storage = f"file://{tmp_path / 'uri-storage'}"
-    cfg = tiny_config(
+    cfg = tiny_run_config(
         tiny_models("llava"),
         f"file://{digits[0]}",
         storage,

@@ -12,7 +12,7 @@ import ray.train
 import torch
 from ray.train.torch import TorchTrainer
 
-from tests.conftest import tiny_config
+from raylora.assets import tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -78,7 +78,7 @@ def _probe(cfg) -> dict:
 
 
 def test_zero_state_helpers_match_deepspeed_public_api(ray_cluster, tiny_models, digits, tmp_path):
-    cfg = tiny_config(
+    cfg = tiny_run_config(
         tiny_models("llava"),
         digits[0],
         tmp_path,

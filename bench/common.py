@@ -338,6 +338,17 @@ def counted_time(counter: CollectiveCounter, fn) -> tuple[float, dict[str, Any],
     return time.perf_counter() - start, counter.snapshot(), out
 
 
+def collective_figures(samples: list[tuple[float, dict[str, Any]]]) -> dict[str, Any]:
+    """Medians and raw samples of `(seconds, counter.snapshot())` pairs from `counted_time`."""
+    last = samples[-1][1]
+    return {
+        "collectives": summary([c["total"] for _, c in samples]),
+        "seconds": summary([t for t, _ in samples]),
+        "by_call_last_repeat": last["by_call"],
+        "bypassed_torch_distributed": last["deepspeed_calls_that_bypassed_torch_distributed"],
+    }
+
+
 def step_clock(path: str | Path):
     """A Ray Train callback (it runs in the controller) that appends `{t, step, restarts}` to `path` at
     every report of rank 0: wall-clock times of steps as the driver side sees them."""

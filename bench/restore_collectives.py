@@ -154,14 +154,7 @@ def main() -> None:
         r = v["rows"]
 
         def fig(key, r=r):
-            return {
-                "collectives": common.summary([c["total"] for _, c in r[key]]),
-                "seconds": common.summary([t for t, _ in r[key]]),
-                "by_call_last_repeat": r[key][-1][1]["by_call"],
-                "bypassed_torch_distributed": r[key][-1][1][
-                    "deepspeed_calls_that_bypassed_torch_distributed"
-                ],
-            }
+            return common.collective_figures(r[key])
 
         ours, grouped, per_param = fig("raylora"), fig("grouped"), fig("per_param")
         set_state, full = fig("set_state"), fig("full")

@@ -57,11 +57,69 @@ def rate(times: list[float], warmup: int) -> float:
     return (len(window) - 1) / (window[-1] - window[0])
 
 
-def main() -> None:
+# (label, width, layers): the tests' tiny model (steps of about 0.1 s here) and a wider one with longer
+# steps, to tell a fixed cost per step (each report is a cross-rank barrier through an actor) from a
+# share of the CPU (Ray's own processes and the controller's polling, on 2 cores that the 2 workers
+# already fill); --tiny measures width 32 only.
+SIZES = [("tiny", 64, 2), ("width 256", 256, 2)]
+
+
+def measure(args, work: Path, width: int, layers: int, steps: int, warmup: int, reps: int) -> dict:
     import torch.multiprocessing as mp
 
     from raylora.driver import make_trainer, preflight
 
+    model, data = common.tiny_model(args.work, width, layers), common.digits(args.work)
+
+    def cfg(name: str):
+        return common.config(
+            model, data, work / "ray", name, f"train.max_steps={steps}", f"train.checkpoint_every={steps}"
+        )
+
+    samples: dict[str, list[float]] = {"raylora": [], "plain": []}
+    in_step: list[float] = []
+    load: dict[str, list[float]] = {"raylora": [], "plain": []}
+    for rep in range(reps):
+        name = f"w{width}-{rep}"
+        c = cfg(f"throughput-{name}")
+        preflight(c)
+        load["raylora"].append(os.getloadavg()[0])
+        clock = work / f"clock-{name}.jsonl"
+        result = make_trainer(c, [common.step_clock(clock)]).fit()
+        assert result.error is None, result.error
+        rows = [r for r in common.read_clock(clock) if r["restarts"] == 0]
+        samples["raylora"].append(rate([r["t"] for r in rows], warmup))
+        history = result.return_value or []
+        if history:  # train_step's own time, without reporting: what Ray costs on top of it
+            per_step = [c.train.global_batch_size / h["samples_per_s"] for h in history[warmup:-1]]
+            in_step.append(len(per_step) / sum(per_step))
+
+        out = work / f"plain-{name}.json"
+        load["plain"].append(os.getloadavg()[0])
+        mp.spawn(plain_worker, args=(2, free_port(), cfg(f"plain-{name}"), steps, str(out)), nprocs=2)
+        samples["plain"].append(rate(json.loads(out.read_text())["times"], warmup))
+
+    ray_med, plain_med = common.median(samples["raylora"]), common.median(samples["plain"])
+    return {
+        "model": f"tiny llava width {width}, {layers}+{layers} layers",
+        "load_average_1min_before_each_run": load,
+        "figures": {
+            "raylora_steps_per_s": common.summary(samples["raylora"]),
+            "plain_deepspeed_steps_per_s": common.summary(samples["plain"]),
+            "raylora_train_step_only_steps_per_s": common.summary(in_step) if in_step else None,
+            "plain_seconds_per_step": 1 / plain_med,
+            "ray_seconds_added_per_step": 1 / ray_med - 1 / plain_med,
+        },
+        "ratios": {
+            "raylora_over_plain": ray_med / plain_med,
+            "raylora_over_plain_per_pair": [
+                r / p for r, p in zip(samples["raylora"], samples["plain"], strict=True)
+            ],
+        },
+    }
+
+
+def main() -> None:
     p = common.parser(__doc__)
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 40, --tiny 6)")
     p.add_argument(
@@ -74,45 +132,17 @@ def main() -> None:
     work = Path(args.work) / "throughput"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    width, layers = (32, 1) if args.tiny else (64, 2)
-    model, data = common.tiny_model(args.work, width, layers), common.digits(args.work)
-
-    def cfg(name: str):
-        return common.config(
-            model, data, work / "ray", name, f"train.max_steps={steps}", f"train.checkpoint_every={steps}"
-        )
-
-    samples: dict[str, list[float]] = {"raylora": [], "plain": []}
-    in_step: list[float] = []
-    load: dict[str, list[float]] = {"raylora": [], "plain": []}
+    sizes = [("tiny", 32, 1)] if args.tiny else SIZES
     with common.local_ray():
-        for rep in range(reps):
-            c = cfg(f"throughput-{rep}")
-            preflight(c)
-            load["raylora"].append(os.getloadavg()[0])
-            clock = work / f"clock-{rep}.jsonl"
-            result = make_trainer(c, [common.step_clock(clock)]).fit()
-            assert result.error is None, result.error
-            rows = [r for r in common.read_clock(clock) if r["restarts"] == 0]
-            samples["raylora"].append(rate([r["t"] for r in rows], warmup))
-            history = result.return_value or []
-            if history:  # train_step's own time, without reporting: what Ray costs on top of it
-                per_step = [c.train.global_batch_size / h["samples_per_s"] for h in history[warmup:-1]]
-                in_step.append(len(per_step) / sum(per_step))
-
-            out = work / f"plain-{rep}.json"
-            load["plain"].append(os.getloadavg()[0])
-            mp.spawn(plain_worker, args=(2, free_port(), cfg(f"plain-{rep}"), steps, str(out)), nprocs=2)
-            samples["plain"].append(rate(json.loads(out.read_text())["times"], warmup))
-
-    ratio_samples = [r / p for r, p in zip(samples["raylora"], samples["plain"], strict=True)]
-    ratio = common.median(samples["raylora"]) / common.median(samples["plain"])
+        results = {
+            label: measure(args, work, width, layers, steps, warmup, reps) for label, width, layers in sizes
+        }
+    values = {label: r["ratios"]["raylora_over_plain"] for label, r in results.items()}
     common.write_result(
         args,
         "throughput",
         {
             "setup": {
-                "model": f"tiny llava width {width}, {layers}+{layers} layers",
                 "workers": 2,
                 "zero_stage": 3,
                 "steps_per_run": steps,
@@ -121,21 +151,13 @@ def main() -> None:
                 "micro_batch_size": 2,
                 "threads_per_worker": THREADS,
                 "repeats": reps,
-                "load_average_1min_before_each_run": load,
             },
-            "figures": {
-                "raylora_steps_per_s": common.summary(samples["raylora"]),
-                "plain_deepspeed_steps_per_s": common.summary(samples["plain"]),
-                "raylora_train_step_only_steps_per_s": common.summary(in_step) if in_step else None,
-            },
-            "ratios": {
-                "raylora_over_plain": ratio,
-                "raylora_over_plain_per_pair": ratio_samples,
-            },
+            "sizes": results,
             "goal": {
                 "text": "raylora steps/s at least 0.95x the plain DeepSpeed loop",
-                "value": ratio,
-                "met": ratio >= 0.95,
+                "value_by_size": values,
+                "met_by_size": {label: v >= 0.95 for label, v in values.items()},
+                "met": all(v >= 0.95 for v in values.values()),
             },
             "notes": [
                 "raylora's steps/s comes from the times the controller receives each report, so it includes "
@@ -144,11 +166,18 @@ def main() -> None:
                 "each train_step.",
                 "raylora_train_step_only_steps_per_s is the same Ray run timed inside train_step (its "
                 "samples_per_s metric): the difference to raylora_steps_per_s is what reporting costs.",
+                "ray_seconds_added_per_step is 1/raylora - 1/plain at the medians. If Ray's cost were a "
+                "fixed amount per step (the report's barrier), it would stay the same at the wider size and "
+                "the ratio would improve; if it grows with the step, it is a share of the CPU taken by "
+                "Ray's processes (raylet, GCS, dashboard, the controller polling every 0.1 s) from workers "
+                "that already fill both cores, and raylora_train_step_only_steps_per_s drops with it.",
+                "Ray Train 2.60 takes one report per controller poll (a one-deep queue), so raylora polls "
+                "every 0.1 s; a slower poll caps training at one step per poll (0.5 s: 2 steps/s here).",
                 "The ratio is of medians; raylora_over_plain_per_pair gives each back-to-back pair's ratio.",
             ],
         },
     )
-    print(json.dumps({"samples": samples, "ratio": ratio}, indent=1))
+    print(json.dumps(values, indent=1))
 
 
 if __name__ == "__main__":

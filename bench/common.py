@@ -132,20 +132,13 @@ def config(model_dir: str, train_file: str, storage: str | Path, name: str, *ove
 
 @contextmanager
 def local_ray():
-    """The cluster in RAY_ADDRESS, or a new local Ray of 4 logical CPUs, shut down at the end.
-
-    Not `raylora.driver.init_ray(num_cpus=4)`: without RAY_ADDRESS, `ray.init` joins any cluster that
-    `ray start` left on this machine (and then refuses num_cpus); address="local" always starts our own,
-    with the same runtime env raylora's driver sets.
-    """
+    """raylora's own Ray (`init_ray`: the cluster in RAY_ADDRESS, or a new local one of 4 logical CPUs
+    with the runtime env raylora's driver sets), shut down at the end."""
     import ray
 
-    from raylora.driver import RAY_ENV, init_ray
+    from raylora.driver import init_ray
 
-    if os.environ.get("RAY_ADDRESS"):
-        init_ray()
-    else:
-        ray.init(address="local", num_cpus=4, runtime_env={"env_vars": RAY_ENV})
+    init_ray(num_cpus=4)
     try:
         yield ray
     finally:

@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from raylora.tiny import BUILDERS, DIGIT_NAMES, FIX_WEIGHTS
+from raylora.tiny import BUILDERS, FIX_WEIGHTS
+from raylora.tiny_text import DIGIT_NAMES
 
 PROMPT = "Which digit is this?"
 

@@ -12,9 +12,10 @@ from ray.exceptions import RayActorError
 from ray.train.torch import TorchTrainer
 
 from raylora.arch import Architecture, detect
-from raylora.config import Config, ConfigError, redact, storage_path
+from raylora.config import Config, ConfigError, storage_path
 from raylora.data import ImageTextData, check_parquet
 from raylora.progress import MetricsLog, MlflowLog, TensorBoardLog
+from raylora.redact import redact
 from raylora.resume import check_resume
 from raylora.worker import train_loop_per_worker
 

@@ -27,13 +27,14 @@ from transformers import get_cosine_schedule_with_warmup
 
 from raylora import checkpoint, zero
 from raylora.arch import Architecture, detect
-from raylora.config import Config, redact, storage_path
+from raylora.config import Config, storage_path
 from raylora.data import IGNORE_INDEX, GlobalSampler, ImageTextData, answer_ids, make_batch
 from raylora.drills import maybe_kill
 from raylora.evaluate import evaluate_sharded
 from raylora.model import build_model, is_lora, set_trainable, shapes, trainable_parameters
 from raylora.processor import load_processor
 from raylora.progress import count_attempt
+from raylora.redact import redact
 from raylora.resume import base_model_fingerprint, load_intact
 
 log = logging.getLogger("raylora")

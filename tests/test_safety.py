@@ -13,9 +13,9 @@ import pytest
 from PIL import Image
 
 from raylora import config
-from raylora.config import redact
 from raylora.data import BadRowError, ImageTextData
 from raylora.driver import preflight
+from raylora.redact import redact
 
 ROOT = Path(__file__).resolve().parent.parent
 

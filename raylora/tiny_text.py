@@ -1,0 +1,117 @@
+"""The tiny models' words: vocabulary, special tokens, a word-level tokenizer and the chat templates.
+
+The chat templates follow the real models' ones, so the tiny models of raylora.tiny are prompted as
+the real ones are; the vocabulary is the digits demo's words and nothing more, which keeps the tiny
+models' embeddings small.
+"""
+
+from __future__ import annotations
+
+DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+# Chat templates modelled on the real models' ones, so the tiny models are prompted the same way.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}"
+    "{% endif %}{% endfor %} {% else %}ASSISTANT: {% for c in message['content'] %}{{ c['text'] }}"
+    "{% endfor %}</s>{% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+QWEN2_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SMOLVLM_CHAT_TEMPLATE = (  # Idefics3 / SmolVLM: "User:<image>...<end_of_utterance>\nAssistant:"
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+GEMMA3_CHAT_TEMPLATE = (  # the processor expands <start_of_image> into the image's soft tokens
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' }}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<start_of_image>{% else %}"
+    "{{ c['text'] | trim }}{% endif %}{% endfor %}{{ '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+INTERNVL_CHAT_TEMPLATE = (  # InternVL3 (-hf): Qwen2's turns, the image as <IMG_CONTEXT> on its own line
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MISTRAL3_CHAT_TEMPLATE = (  # Mistral-Small-3.1: [INST]...[/INST]answer</s>, the image as [IMG]
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}[IMG]{% else %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}[/INST]{% else %}{% for c in message['content'] %}{{ c['text'] }}"
+    "{% endfor %}</s>{% endif %}{% endfor %}"
+)
+
+SPECIAL_TOKENS = [
+    "<pad>",
+    "<s>",
+    "</s>",
+    "<unk>",
+    "<image>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+WORDS = ["USER", "ASSISTANT", "user", "assistant", ":", "?", ".", ",", "Which", "digit", "is", "this", "a"]
+
+# Tokens that only some architectures need, appended after the shared vocabulary so that the llava and
+# qwen2_vl tokenizers stay what they were.
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+GEMMA3_TURN_TOKENS = ["<start_of_turn>", "<end_of_turn>"]
+GEMMA3_TOKENS = {
+    "boi_token": "<start_of_image>",
+    "eoi_token": "<end_of_image>",
+    "image_token": "<image_soft_token>",
+}
+MISTRAL3_TOKENS = ["[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+INTERNVL_TOKENS = {
+    "start_image_token": "<img>",
+    "end_image_token": "</img>",
+    "context_image_token": "<IMG_CONTEXT>",
+    "video_token": "<video>",
+}
+
+
+def build_tokenizer(
+    extra_tokens: list[str] | tuple[str, ...] = (),
+    named_tokens: dict[str, str] | None = None,
+    extra_words: list[str] | tuple[str, ...] = (),
+):
+    """A word-level tokenizer over the demo's vocabulary, saved and loaded like any HF tokenizer.
+
+    Written by hand because no pretrained tokenizer can be downloaded here; a word-level vocabulary of
+    a few dozen entries also keeps the tiny model's embedding small. `named_tokens` become attributes
+    (`tokenizer.boi_token`, `tokenizer.boi_token_id`), which Gemma3's and InternVL's processors read.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    named_tokens = named_tokens or {}
+    specials = SPECIAL_TOKENS + list(extra_tokens) + list(named_tokens.values())
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS + DIGIT_NAMES + list(extra_words))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(behavior="isolated")]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=specials[4:],
+        **({"model_specific_special_tokens": named_tokens} if named_tokens else {}),
+    )
+    return tokenizer

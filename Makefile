@@ -18,7 +18,7 @@ demo: install
 	$(VENV)/bin/raylora demo
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
@@ -34,9 +34,9 @@ bench: install
 	$(PY) bench/on_paper.py
 
 lint: install
-	$(VENV)/bin/ruff check raylora tests
-	$(VENV)/bin/ruff format --check raylora tests
+	$(VENV)/bin/ruff check raylora tests bench jobs
+	$(VENV)/bin/ruff format --check raylora tests bench jobs
 
 format: install
-	$(VENV)/bin/ruff check --fix raylora tests
-	$(VENV)/bin/ruff format raylora tests
+	$(VENV)/bin/ruff check --fix raylora tests bench jobs
+	$(VENV)/bin/ruff format raylora tests bench jobs

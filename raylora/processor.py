@@ -65,7 +65,8 @@ TORCHVISION_FREE = {"PixtralProcessor": pixtral_processor_class}
 
 
 def load_processor(model_path: str | Path):
-    """`AutoProcessor.from_pretrained(model_path)`, or its image-only form where video needs torchvision."""
+    """`AutoProcessor.from_pretrained(model_path)`; where torchvision is missing, the same class loaded
+    without it (`TORCHVISION_FREE`) or in its image-only form (processors with a video part)."""
     try:
         return transformers.AutoProcessor.from_pretrained(model_path)
     except (AttributeError, ImportError, OSError, ValueError, TypeError) as err:

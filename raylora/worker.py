@@ -163,6 +163,7 @@ def train_step(s: Setup) -> dict[str, float]:
         "max_steps": cfg.train.max_steps,
         "epoch": s.sampler.epoch(step),
         "restarts": s.restarts,
+        "world_size": s.world_size,  # changes within a run when an elastic [min, max] group is resized
         "bad_rows": len(s.data.bad_rows),
     }
 

@@ -41,10 +41,61 @@ def _worker_nodes() -> set[str]:
     }
 
 
+def test_elastic_group_shrinks_when_a_node_is_lost(cluster, tiny_models, digits, tmp_path):
+    """An elastic [1, 3] run on 3 one-CPU nodes loses one: Ray restarts it on the 2 left, and it resumes.
+
+    Ray Train sizes an elastic group by the resources its autoscaling coordinator has reserved, so the
+    group may start smaller and grow, and it may come back on 1 worker before it sees the second; the
+    node is removed once the run trains on all three. First in the module, on the fresh cluster.
+    """
+    from raylora.driver import run
+
+    c, nodes = cluster
+    cfg = tiny_run_config(
+        tiny_models("llava"),
+        digits[0],
+        tmp_path,
+        "elastic-nodes",
+        "train.max_steps=40",
+        "train.checkpoint_every=3",
+        "train.global_batch_size=12",
+        "scaling.num_workers=[1,3]",
+    )
+    lost = {}
+
+    def kill_a_node():
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            rows = read_metrics(str(tmp_path), "elastic-nodes")
+            if rows and rows[-1]["world_size"] == 3 and rows[-1]["step"] < 30:
+                busy = _worker_nodes()
+                victim = next(n for n in nodes if n.node_id in busy)
+                c.remove_node(victim, allow_graceful=False)
+                nodes.remove(victim)
+                lost["restarts"] = rows[-1]["restarts"]
+                return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_a_node, daemon=True)
+    killer.start()
+    result = run(cfg)
+    killer.join()
+    assert lost, "the run never trained on 3 workers before step 30, or no node was removed"
+    rows = read_metrics(str(tmp_path), "elastic-nodes")
+    after = [r for r in rows if r["restarts"] > lost["restarts"]]  # worker groups started after the loss
+    assert after and all(r["world_size"] < 3 for r in after), "the group should shrink to the nodes left"
+    with result.checkpoint.as_directory() as folder:
+        final = checkpoint.load(folder)
+    assert final.state.step == 40 and final.state.world_size == after[-1]["world_size"]
+
+
 def test_run_finishes_after_losing_a_node(cluster, tiny_models, digits, tmp_path):
     from raylora.driver import run
 
     c, nodes = cluster
+    while len(nodes) < 3:  # the test above removed one
+        nodes.append(c.add_node(num_cpus=1))
+    c.wait_for_nodes()
     cfg = tiny_run_config(
         tiny_models("llava"),
         digits[0],
@@ -65,6 +116,7 @@ def test_run_finishes_after_losing_a_node(cluster, tiny_models, digits, tmp_path
                 victim = next(n for n in nodes if n.node_id in busy)
                 lost["last_step"] = rows[-1]["step"]
                 c.remove_node(victim, allow_graceful=False)
+                nodes.remove(victim)
                 lost["node"] = victim.node_id
                 return
             time.sleep(0.2)

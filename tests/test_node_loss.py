@@ -41,6 +41,36 @@ def _worker_nodes() -> set[str]:
     }
 
 
+def _run_losing_a_node(cfg, cluster, when) -> tuple:
+    """Run `cfg`, removing (ungracefully) a node that holds a worker once `when(last metrics row)` holds.
+
+    Returns the run's result and the metrics row seen when the node went (None if it never did).
+    """
+    from raylora.driver import run
+
+    c, nodes = cluster
+    lost = []
+
+    def kill_a_node():
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            rows = read_metrics(cfg.run.storage_path, cfg.run.name)
+            if rows and when(rows[-1]):
+                busy = _worker_nodes()
+                victim = next(n for n in nodes if n.node_id in busy)
+                lost.append(rows[-1])
+                c.remove_node(victim, allow_graceful=False)
+                nodes.remove(victim)
+                return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_a_node, daemon=True)
+    killer.start()
+    result = run(cfg)
+    killer.join()
+    return result, (lost[0] if lost else None)
+
+
 def test_elastic_group_shrinks_when_a_node_is_lost(cluster, tiny_models, digits, tmp_path):
     """An elastic [1, 3] run on 3 one-CPU nodes loses one: Ray restarts it on the 2 left, and it resumes.
 
@@ -48,9 +78,6 @@ def test_elastic_group_shrinks_when_a_node_is_lost(cluster, tiny_models, digits,
     group may start smaller and grow, and it may come back on 1 worker before it sees the second; the
     node is removed once the run trains on all three. First in the module, on the fresh cluster.
     """
-    from raylora.driver import run
-
-    c, nodes = cluster
     cfg = tiny_run_config(
         tiny_models("llava"),
         digits[0],
@@ -61,25 +88,7 @@ def test_elastic_group_shrinks_when_a_node_is_lost(cluster, tiny_models, digits,
         "train.global_batch_size=12",
         "scaling.num_workers=[1,3]",
     )
-    lost = {}
-
-    def kill_a_node():
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            rows = read_metrics(str(tmp_path), "elastic-nodes")
-            if rows and rows[-1]["world_size"] == 3 and rows[-1]["step"] < 30:
-                busy = _worker_nodes()
-                victim = next(n for n in nodes if n.node_id in busy)
-                c.remove_node(victim, allow_graceful=False)
-                nodes.remove(victim)
-                lost["restarts"] = rows[-1]["restarts"]
-                return
-            time.sleep(0.2)
-
-    killer = threading.Thread(target=kill_a_node, daemon=True)
-    killer.start()
-    result = run(cfg)
-    killer.join()
+    result, lost = _run_losing_a_node(cfg, cluster, lambda row: row["world_size"] == 3 and row["step"] < 30)
     assert lost, "the run never trained on 3 workers before step 30, or no node was removed"
     rows = read_metrics(str(tmp_path), "elastic-nodes")
     after = [r for r in rows if r["restarts"] > lost["restarts"]]  # worker groups started after the loss
@@ -90,8 +99,6 @@ def test_elastic_group_shrinks_when_a_node_is_lost(cluster, tiny_models, digits,
 
 
 def test_run_finishes_after_losing_a_node(cluster, tiny_models, digits, tmp_path):
-    from raylora.driver import run
-
     c, nodes = cluster
     while len(nodes) < 3:  # the test above removed one
         nodes.append(c.add_node(num_cpus=1))
@@ -105,32 +112,11 @@ def test_run_finishes_after_losing_a_node(cluster, tiny_models, digits, tmp_path
         "train.checkpoint_every=3",
         "scaling.num_workers=2",
     )
-    lost = {}
-
-    def kill_a_node():
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            rows = read_metrics(str(tmp_path), "nodes")
-            if rows and rows[-1]["step"] >= 4:
-                busy = _worker_nodes()
-                victim = next(n for n in nodes if n.node_id in busy)
-                lost["last_step"] = rows[-1]["step"]
-                c.remove_node(victim, allow_graceful=False)
-                nodes.remove(victim)
-                lost["node"] = victim.node_id
-                return
-            time.sleep(0.2)
-
-    killer = threading.Thread(target=kill_a_node, daemon=True)
-    killer.start()
-    result = run(cfg)
-    killer.join()
+    result, lost = _run_losing_a_node(cfg, cluster, lambda row: row["step"] >= 4)
     assert lost, "no node was removed"
     with result.checkpoint.as_directory() as folder:
         final = checkpoint.load(folder)
     assert final.state.step == 60 and final.state.restarts >= 1
     rows = read_metrics(str(tmp_path), "nodes")
     resumed_at = next(r["step"] for r in rows if r["restarts"] >= 1) - 1
-    assert resumed_at % 3 == 0 and resumed_at >= lost["last_step"] - 3, (
-        "lost more than the steps since a checkpoint"
-    )
+    assert resumed_at % 3 == 0 and resumed_at >= lost["step"] - 3, "lost more than since the last checkpoint"

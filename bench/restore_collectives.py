@@ -153,11 +153,12 @@ def main() -> None:
     for v in report:
         r = v["rows"]
 
-        def fig(key, r=r):
-            return common.collective_figures(r[key])
-
-        ours, grouped, per_param = fig("raylora"), fig("grouped"), fig("per_param")
-        set_state, full = fig("set_state"), fig("full")
+        ours, grouped, per_param = (
+            common.collective_figures(r["raylora"]),
+            common.collective_figures(r["grouped"]),
+            common.collective_figures(r["per_param"]),
+        )
+        set_state, full = common.collective_figures(r["set_state"]), common.collective_figures(r["full"])
         raylora_seconds = [
             f + g[0] + s[0] for f, g, s in zip(r["files"], r["raylora"], r["set_state"], strict=True)
         ]

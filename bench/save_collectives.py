@@ -87,10 +87,10 @@ def main() -> None:
     for v in report:
         r = v["rows"]
 
-        def fig(key, r=r):
-            return common.collective_figures(r[key])
-
-        batched, per_param = fig("batched"), fig("per_param")
+        batched, per_param = (
+            common.collective_figures(r["batched"]),
+            common.collective_figures(r["per_param"]),
+        )
         rows.append(
             {
                 "variant": v["label"],

@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-fast lint format bench
+.PHONY: install demo test test-fast gpu-check lint format bench
 
 install: $(VENV)/.installed
 
@@ -19,6 +19,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q --durations=15
+
+# The GPU path on CUDA devices (NCCL, bf16, a kill and a resume): one line per check; skipped without CUDA.
+gpu-check: install
+	$(PY) -m pytest -v -rs -m gpu tests/test_gpu.py
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

@@ -4,7 +4,7 @@ A checkpoint holds only what training changed, as full (unpartitioned) fp32 tens
 so it restores on any number of workers:
 
     adapter_config.json         PEFT's adapter config
-    adapter_model.safetensors   LoRA weights (fp32 masters) under PEFT's own keys
+    adapter_model.safetensors   LoRA weights (DoRA magnitudes, modules_to_save copies) under PEFT's keys
     trained_modules.safetensors trained vision tower / aligner weights (fp32 masters), full names
     optimizer.safetensors       AdamW moments `<name>.exp_avg`, `<name>.exp_avg_sq`
     state.json                  TrainState: step, sampler, scheduler, names and shapes, config, versions
@@ -97,9 +97,20 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a parameter is PEFT's (LoRA, DoRA magnitude, modules_to_save copy): saved in the adapter."""
+    return ".lora_" in name or ".modules_to_save." in name
+
+
 def adapter_key(name: str) -> str:
-    """PEFT's on-disk key for a LoRA parameter: the adapter name (`default`) dropped."""
-    return PEFT_PREFIX + name.replace(".default.", ".", 1)
+    """PEFT's on-disk key for an adapter parameter, as `get_peft_model_state_dict` writes it.
+
+    The adapter name (`default`) is dropped, a modules_to_save copy is saved under the original module's
+    name, and DoRA's magnitude keeps the key it had before PEFT made it a module (no `.weight`).
+    tests/test_peft_options.py checks these rules against PEFT's own.
+    """
+    key = PEFT_PREFIX + name.replace(".modules_to_save.default.", ".", 1).replace(".default.", ".", 1)
+    return key.removesuffix(".weight") if key.endswith(".lora_magnitude_vector.weight") else key
 
 
 def save(
@@ -112,8 +123,8 @@ def save(
     """Write a checkpoint into `folder` (which must be new or empty); the manifest goes last."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    lora = {adapter_key(n): t.contiguous() for n, t in weights.items() if ".lora_" in n}
-    trained = {n: t.contiguous() for n, t in weights.items() if ".lora_" not in n}
+    lora = {adapter_key(n): t.contiguous() for n, t in weights.items() if is_adapter(n)}
+    trained = {n: t.contiguous() for n, t in weights.items() if not is_adapter(n)}
     adapter_config.save_pretrained(str(folder))
     save_file(lora, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     save_file(trained, folder / TRAINED_MODULES, metadata={"format": "pt"})
@@ -172,7 +183,7 @@ def load(folder: str | Path) -> Loaded:
         state = TrainState.from_dict(json.loads((folder / STATE).read_text()))
     except (ValueError, TypeError) as err:
         raise CheckpointError(f"{folder}: file {STATE} does not parse: {err}") from err
-    lora_by_key = {adapter_key(n): n for n in state.trainable if ".lora_" in n}
+    lora_by_key = {adapter_key(n): n for n in state.trainable if is_adapter(n)}
     weights = {}
     for key, tensor in load_file(folder / ADAPTER_WEIGHTS).items():
         if key not in lora_by_key:

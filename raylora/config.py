@@ -24,9 +24,16 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = ""
-    """Local Hugging Face model folder (config.json, safetensors weights, tokenizer, processor)."""
+    """A local Hugging Face model folder (config.json, safetensors weights, tokenizer, processor), or a Hub
+    id (`org/name`) that each node resolves through its huggingface_hub cache (HF_HOME, HF_HUB_OFFLINE)."""
+    revision: str | None = None
+    """Hub revision (commit hash, branch or tag) of a Hub id in model.path; unset: main. Pin a commit hash
+    so that every node and every resume trains the same weights."""
     arch: str | None = None
     """Registry name (`raylora.arch`); unset: detected from config.json's model_type."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel: `sdpa` (PyTorch's fused attention), `eager`, or `flash_attention_2` (needs the
+    flash_attn package on every node, GPUs and bf16)."""
 
 
 @dataclass
@@ -39,6 +46,16 @@ class LoraConfig:
     """Dropout on the LoRA input."""
     target_modules: list[str] | None = None
     """Names of linear layers in the language model to adapt (e.g. [q_proj, v_proj]); unset: every one."""
+    use_dora: bool = False
+    """DoRA: a trained magnitude vector per adapted layer beside LoRA (PEFT's use_dora)."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA: scale the update by alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."""
+    init: bool | str = True
+    """LoRA initialisation (PEFT's init_lora_weights): true, false, gaussian or orthogonal. The others
+    (pissa, olora, corda, lora_ga, loftq, eva, mica) rewrite the base weights or need a data pass: refused."""
+    modules_to_save: list[str] | None = None
+    """Modules trained fully and saved in the adapter under PEFT's keys (PEFT's modules_to_save, e.g.
+    [lm_head]); each name must match a module, as PEFT matches them (by name or name suffix)."""
 
 
 @dataclass
@@ -49,6 +66,16 @@ class DataConfig:
     """Held-out Parquet file with the same columns, for evaluation."""
     on_bad_row: str = "skip"
     """A row whose image does not decode or whose answer is empty: `skip` (counted, reported) or `error`."""
+    max_length: int | None = None
+    """Most tokens per sample (prompt, image tokens, answer, EOS); a longer sample is skipped, not cut, and
+    counted in the step's `too_long` metric (README: Memory). Unset: no limit."""
+    max_pixels: int | None = None
+    """Most pixels per image, handed to the processor's resolution knob (Qwen2-VL family: max_pixels;
+    Idefics3, Pixtral: a longest edge of its square root); refused where the processor resizes every
+    image to one fixed size. Unset: the model folder's own setting."""
+    min_pixels: int | None = None
+    """Fewest pixels per image (Qwen2-VL family only: smaller images are upscaled). Unset: the model
+    folder's own setting."""
 
 
 @dataclass
@@ -84,6 +111,12 @@ class TrainConfig:
     """Keep the aligner (projector) frozen; false trains it fully."""
     param_persistence_threshold: int = 100_000
     """ZeRO-3 keeps parameters smaller than this gathered (DeepSpeed's stage3_param_persistence_threshold)."""
+    precision: str | None = None
+    """`bf16` (bf16 weights and activations, fp32 masters, Adam moments, gradient accumulation and
+    reduction) or `fp32`; unset: bf16 with scaling.use_gpu, fp32 without. Independent of the device."""
+    gradient_checkpointing: bool | None = None
+    """Recompute each layer's activations in the backward pass (language model and vision tower) instead
+    of keeping them; unset: on with scaling.use_gpu, off without."""
 
 
 @dataclass
@@ -91,7 +124,7 @@ class ScalingConfig:
     num_workers: int | list[int] = 2
     """Ray Train workers, one per GPU (or CPU slot); a [min, max] pair asks Ray for elastic training."""
     use_gpu: bool = False
-    """One GPU per worker, NCCL and bf16; false: CPU, gloo and fp32."""
+    """One GPU per worker and NCCL (bf16 unless train.precision says otherwise); false: CPU and gloo."""
     cpus_per_worker: float = 1.0
     """CPUs Ray reserves for each worker."""
 
@@ -152,6 +185,18 @@ class Config:
     def world_size(self) -> int:
         """The most workers the run may have."""
         return self.world_sizes[-1]
+
+    @property
+    def bf16(self) -> bool:
+        """Whether the run trains in bf16: `train.precision`, or bf16 exactly when it uses GPUs."""
+        precision = self.train.precision
+        return self.scaling.use_gpu if precision is None else precision == "bf16"
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whether layers recompute their activations: `train.gradient_checkpointing`, or on with GPUs."""
+        on = self.train.gradient_checkpointing
+        return self.scaling.use_gpu if on is None else on
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro batches per rank per step, so the global batch does not depend on the worker count."""
@@ -260,6 +305,41 @@ def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     return cfg
 
 
+LORA_INITS = (True, False, "gaussian", "orthogonal", "pissa", "pissa_niter_<n>", "olora")
+"""`lora.init` values that work under ZeRO-3 with raylora (PEFT's init_lora_weights)."""
+
+# Why each other PEFT `init_lora_weights` value is refused.
+REFUSED_LORA_INITS = {
+    "corda": (
+        "needs PEFT's preprocess_corda data pass before wrapping, which raylora does not run; and it moves "
+        "part of each base weight into the adapter in a way that loading the adapter cannot redo without "
+        "that data, so export, eval and resume would put the adapter on a base it was not trained against"
+    ),
+    "lora_ga": (
+        "needs PEFT's preprocess_loraga gradient pass before wrapping, which raylora does not run (without "
+        "it PEFT silently falls back to the default init)"
+    ),
+    "eva": (
+        "needs PEFT's initialize_lora_eva_weights data pass over the wrapped model, which raylora does not "
+        "run (without it PEFT leaves a plain init under another name)"
+    ),
+    "loftq": (
+        "initialises against a quantised base model (loftq_config, 4-bit weights), and raylora loads the base "
+        "model unquantised and ZeRO-3-partitioned"
+    ),
+    "mica": (
+        "freezes lora_B at the base weight's singular vectors, but raylora trains and checkpoints every "
+        "adapter tensor, so it would train lora_B too"
+    ),
+}
+
+
+def _accepted_init(init: bool | str) -> bool:
+    if isinstance(init, str) and init.startswith("pissa_niter_"):  # PiSSA with a fast SVD of n iterations
+        return init.removeprefix("pissa_niter_").isdigit()
+    return init in LORA_INITS
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no model and no Ray: values in range and consistent with each other."""
     t, s = cfg.train, cfg.scaling
@@ -276,6 +356,20 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be positive, got {value}")
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
+    init = cfg.lora.init
+    if not _accepted_init(init):
+        why = REFUSED_LORA_INITS.get(init) if isinstance(init, str) else None
+        accepted = ", ".join(str(v).lower() for v in LORA_INITS)
+        raise ConfigError(
+            f"lora.init={init} cannot be used under ZeRO-3 with raylora: it {why}; accepted: {accepted}"
+            if why
+            else f"lora.init: unknown initialisation {init!r}; accepted: {accepted}"
+        )
+    if init == "orthogonal" and cfg.lora.r % 2:
+        raise ConfigError(f"lora.init=orthogonal needs an even lora.r, got {cfg.lora.r}")
+    saved = cfg.lora.modules_to_save
+    if saved is not None and (not saved or not all(saved) or len(set(saved)) != len(saved)):
+        raise ConfigError(f"lora.modules_to_save must be distinct non-empty module names, got {saved}")
     if t.lr <= 0 or (t.vision_lr is not None and t.vision_lr <= 0):
         raise ConfigError(f"train.lr and train.vision_lr must be positive, got {t.lr} and {t.vision_lr}")
     if t.warmup_steps < 0 or cfg.run.max_failures < 0:
@@ -297,14 +391,41 @@ def validate(cfg: Config) -> None:
             )
     if t.eval_every is not None and (t.eval_every <= 0 or not cfg.data.eval):
         raise ConfigError("train.eval_every must be positive and needs data.eval")
+    if t.precision not in (None, "bf16", "fp32"):
+        raise ConfigError(f"train.precision must be bf16 or fp32, got {t.precision!r}")
     if cfg.data.on_bad_row not in ("skip", "error"):
         raise ConfigError(f"data.on_bad_row must be skip or error, got {cfg.data.on_bad_row!r}")
+    _validate_memory(cfg)
     if not cfg.model.path:
-        raise ConfigError("model.path is required: a local Hugging Face model folder")
+        raise ConfigError("model.path is required: a local Hugging Face model folder or a Hub id (org/name)")
+    if cfg.model.revision is not None and not cfg.model.revision.strip():
+        raise ConfigError("model.revision must be a commit hash, branch or tag when set, got an empty string")
     if not cfg.data.train:
         raise ConfigError("data.train is required: a Parquet file with columns image, prompt, answer")
     if not cfg.run.name or "/" in cfg.run.name:
         raise ConfigError(f"run.name must be a non-empty name without '/', got {cfg.run.name!r}")
+
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
+
+
+def _validate_memory(cfg: Config) -> None:
+    """The memory controls: attention kernel, sample length and image resolution caps."""
+    d = cfg.data
+    if cfg.model.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
+            f"got {cfg.model.attn_implementation!r}"
+        )
+    if cfg.model.attn_implementation == "flash_attention_2" and not (cfg.scaling.use_gpu and cfg.bf16):
+        raise ConfigError("model.attn_implementation=flash_attention_2 needs scaling.use_gpu and bf16")
+    for key, value in {"data.max_length": d.max_length, "data.max_pixels": d.max_pixels}.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key} must be positive when set, got {value}")
+    if d.min_pixels is not None and d.min_pixels <= 0:
+        raise ConfigError(f"data.min_pixels must be positive when set, got {d.min_pixels}")
+    if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
+        raise ConfigError(f"data.min_pixels ({d.min_pixels}) exceeds data.max_pixels ({d.max_pixels})")
 
 
 def storage_path(cfg: Config) -> str:

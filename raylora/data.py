@@ -196,3 +196,45 @@ def make_batch(processor, examples: list[tuple[Image.Image, str, str]], with_ans
     for key, values in vision.items():
         batch[key] = torch.cat(values, dim=0)
     return batch
+
+
+STAND_IN_EDGE = 56  # pixels a side: Qwen2-VL's smallest image (min_pixels 56 * 56); resized elsewhere
+
+
+def stand_in() -> tuple[Image.Image, str, str]:
+    """The sample that takes a too-long sample's place in its micro batch: a blank image, empty prompt and
+    answer. Under ZeRO-3 every rank must run the same forward and backward passes, so the row is kept,
+    vision tower and all, and `limit_length` sets all its labels to IGNORE_INDEX."""
+    return Image.new("RGB", (STAND_IN_EDGE, STAND_IN_EDGE), (127, 127, 127)), "", ""
+
+
+def check_max_length(processor, max_length: int) -> None:
+    """`ConfigError` when even the stand-in sample is longer than `max_length` (data.max_length)."""
+    batch = make_batch(processor, [stand_in()])
+    length = int(batch["attention_mask"].sum())
+    if length > max_length:
+        image_id = getattr(processor, "image_token_id", None)
+        images = f", {int((batch['input_ids'] == image_id).sum())} of them image tokens" if image_id else ""
+        raise ConfigError(
+            f"data.max_length ({max_length}) is shorter than the shortest possible sample: a blank "
+            f"{STAND_IN_EDGE}x{STAND_IN_EDGE} image with an empty prompt and answer takes {length} tokens"
+            f"{images}"
+        )
+
+
+def limit_length(processor, examples: list, max_length: int | None) -> tuple[dict, list[int]]:
+    """`make_batch`, with every example longer than `max_length` tokens (prompt, image tokens, answer,
+    EOS) replaced by `stand_in()` with no labels. Returns the batch and the replaced rows.
+
+    Too-long samples are skipped, not truncated: cutting image tokens breaks the model's image-token
+    count, and cutting an answer would train on part of it.
+    """
+    batch = make_batch(processor, examples)
+    if max_length is None:
+        return batch, []
+    too_long = [i for i, n in enumerate(batch["attention_mask"].sum(dim=1).tolist()) if n > max_length]
+    if too_long:
+        blank = stand_in()
+        batch = make_batch(processor, [blank if i in too_long else e for i, e in enumerate(examples)])
+        batch["labels"][too_long] = IGNORE_INDEX
+    return batch, too_long

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -11,12 +12,14 @@ import ray.train
 from ray.exceptions import RayActorError
 from ray.train.torch import TorchTrainer
 
+from raylora import hub
 from raylora.arch import Architecture, detect
 from raylora.config import Config, ConfigError, storage_path
 from raylora.data import ImageTextData, check_parquet
+from raylora.processor import check_image_caps
 from raylora.progress import MetricsLog, MlflowLog, TensorBoardLog
 from raylora.redact import redact
-from raylora.resume import check_resume
+from raylora.resume import check_resume, expected_trainable
 from raylora.worker import train_loop_per_worker
 
 log = logging.getLogger("raylora")
@@ -24,14 +27,19 @@ log = logging.getLogger("raylora")
 
 def preflight(cfg: Config) -> Architecture:
     """Everything that can be checked before Ray starts: model folder, architecture, data files."""
-    model_dir = Path(cfg.model.path)
-    if not model_dir.is_dir():
-        raise ConfigError(f"model.path: model folder not found: {cfg.model.path}")
+    model_dir = Path(hub.resolve(cfg.model.path, cfg.model.revision, config_only=True))
     if not (model_dir / "config.json").is_file():
         raise ConfigError(
             f"model.path: {cfg.model.path} has no config.json (not a Hugging Face model folder)"
         )
     arch = detect(model_dir, cfg.model.arch)
+    check_image_caps(model_dir, cfg.data.max_pixels, cfg.data.min_pixels)
+    flash = cfg.model.attn_implementation == "flash_attention_2"
+    if flash and importlib.util.find_spec("flash_attn") is None:
+        raise ConfigError(
+            "model.attn_implementation=flash_attention_2 needs the flash_attn package (pip install "
+            "flash-attn) on every node; it is not importable here. sdpa is PyTorch's own fused attention."
+        )
     num_rows = check_parquet(cfg.data.train, "data.train")
     if num_rows < cfg.train.global_batch_size:
         raise ConfigError(
@@ -47,6 +55,8 @@ def preflight(cfg: Config) -> Architecture:
         )
     if cfg.data.on_bad_row == "error":  # fail here, not in every worker after Ray has started
         ImageTextData(cfg.data.train, "error")
+    if cfg.lora.modules_to_save:  # wraps the model on the meta device: a name that matches nothing fails here
+        expected_trainable(cfg)
     check_resume(cfg)
     return arch
 
@@ -65,7 +75,8 @@ def metric_callbacks(cfg: Config) -> list:
 
 def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
     """A TorchTrainer whose run resumes from its latest checkpoint when one with this name exists."""
-    cfg.model.path = os.path.abspath(cfg.model.path)
+    if Path(cfg.model.path).is_dir():  # the workers run elsewhere; a Hub id is resolved on each node
+        cfg.model.path = os.path.abspath(cfg.model.path)
     for key in ("train", "eval"):
         uri = getattr(cfg.data, key)
         if uri and "://" not in uri:

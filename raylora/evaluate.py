@@ -10,8 +10,9 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from raylora import checkpoint
-from raylora.data import IGNORE_INDEX, ImageTextData, answer_ids, make_batch
+from raylora import checkpoint, hub
+from raylora.data import ImageTextData, answer_ids, make_batch
+from raylora.loss import answer_token_losses
 from raylora.processor import load_processor
 
 
@@ -20,7 +21,8 @@ def load_for_inference(folder: str | Path, model_path: str | None = None):
     folder = Path(folder)
     checkpoint.verify(folder)
     state = json.loads((folder / checkpoint.STATE).read_text())
-    model_path = model_path or state["config"]["model"]["path"]
+    trained_on = state["config"]["model"]
+    model_path = model_path or hub.resolve(trained_on["path"], trained_on.get("revision"))
     base = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(folder))
     trained = load_file(folder / checkpoint.TRAINED_MODULES)
@@ -29,7 +31,8 @@ def load_for_inference(folder: str | Path, model_path: str | None = None):
         if unexpected:
             raise checkpoint.CheckpointError(f"{folder}: trained modules not in the model: {unexpected[:3]}")
     model.eval()
-    return model, load_processor(model_path)
+    data = state["config"].get("data", {})  # the resolution the adapter was trained at
+    return model, load_processor(model_path, data.get("max_pixels"), data.get("min_pixels"))
 
 
 @torch.no_grad()
@@ -50,11 +53,8 @@ def score(
     tokenizer = processor.tokenizer
     batch = {k: v.to(device) for k, v in make_batch(processor, examples).items()}
     labels = batch.pop("labels")
-    logits = model(**batch).logits.float()
-    per_token = torch.nn.functional.cross_entropy(
-        logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=IGNORE_INDEX, reduction="none"
-    )
-    mask = torch.tensor(counted, device=per_token.device)[:, None] & (labels[:, 1:] != IGNORE_INDEX)
+    per_token, rows = answer_token_losses(model, batch, labels)
+    mask = torch.tensor(counted, device=per_token.device)[rows]
     prompts = {k: v.to(device) for k, v in make_batch(processor, examples, with_answers=False).items()}
     longest = max(len(answer_ids(processor, answer)) for _, _, answer in examples)
     out = model.generate(
@@ -110,7 +110,7 @@ def evaluate_sharded(engine, processor, data: ImageTextData, max_samples: int, b
     mine = list(range(rank * per_rank, min(n, (rank + 1) * per_rank)))
     counted = [True] * len(mine) + [False] * (per_rank - len(mine))
     mine += [0] * (per_rank - len(mine))
-    totals = torch.zeros(4, dtype=torch.float64)
+    totals = torch.zeros(4, dtype=torch.float64, device=engine.device)  # NCCL serves device tensors only
     model = engine.module
     model.eval()
     for i in range(0, per_rank, batch_size):
@@ -122,7 +122,8 @@ def evaluate_sharded(engine, processor, data: ImageTextData, max_samples: int, b
             synced_gpus=True,
             device=engine.device,
         )
-        totals += torch.tensor([r["correct"], r["loss_sum"], r["tokens"], r["samples"]], dtype=torch.float64)
+        scores = [r["correct"], r["loss_sum"], r["tokens"], r["samples"]]
+        totals += torch.tensor(scores, dtype=torch.float64, device=engine.device)
     model.train()
     dist.all_reduce(totals)
     return {

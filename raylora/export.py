@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from raylora import checkpoint
+from raylora import checkpoint, hub
 from raylora.config import ConfigError
 
 
@@ -36,13 +36,16 @@ def verified_state(folder: str | Path) -> checkpoint.TrainState:
 
 
 def base_model_path(state: checkpoint.TrainState, model_path: str | None = None) -> str:
-    """The base model folder: `model_path`, else the one the run trained on (state.json)."""
-    model_path = model_path or state.config["model"]["path"]
-    if not (Path(model_path) / "config.json").is_file():
-        raise ConfigError(
-            f"base model folder {model_path} not found (or has no config.json); pass --model PATH"
-        )
-    return model_path
+    """The base model folder: `model_path` (a folder or Hub id), else the run's own (state.json)."""
+    trained_on = state.config["model"]
+    path, revision = (model_path, None) if model_path else (trained_on["path"], trained_on.get("revision"))
+    try:
+        folder = hub.resolve(path, revision)
+    except ConfigError as err:
+        raise ConfigError(f"base model not found ({err}); pass --model PATH") from err
+    if not (Path(folder) / "config.json").is_file():
+        raise ConfigError(f"base model folder {folder} has no config.json; pass --model PATH")
+    return folder
 
 
 def has_trained_modules(folder: str | Path) -> bool:

@@ -37,7 +37,7 @@ def part_of(name: str, arch: str | None) -> str:
 
 def module_name(name: str) -> str:
     """The module a trainable parameter belongs to: the adapted layer for LoRA, the owner otherwise."""
-    for marker in (".lora_A.", ".lora_B."):
+    for marker in (".lora_A.", ".lora_B.", ".lora_magnitude_vector."):
         if marker in name:
             return name.split(marker, 1)[0]
     return name.rsplit(".", 1)[0]

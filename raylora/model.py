@@ -12,8 +12,10 @@ import torch
 from transformers import AutoModelForImageTextToText
 from transformers.integrations import HfDeepSpeedConfig
 
+from raylora import hub
 from raylora.arch import Architecture, lora_target_regex
-from raylora.config import Config
+from raylora.checkpoint import is_adapter
+from raylora.config import Config, ConfigError
 from raylora.zero import full_shape
 
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's parameter names
@@ -22,10 +24,34 @@ PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's
 def build_model(cfg: Config, arch: Architecture, ds_config: dict) -> tuple[peft.PeftModel, HfDeepSpeedConfig]:
     """The base model (ZeRO-3 partitioned) with a fresh LoRA adapter on its language model."""
     zero3 = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained: it is how transformers sees ZeRO-3
-    dtype = torch.bfloat16 if cfg.scaling.use_gpu else torch.float32
-    model = AutoModelForImageTextToText.from_pretrained(cfg.model.path, dtype=dtype)
-    model.config.use_cache = False
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float32
+    model_dir = hub.resolve(cfg.model.path, cfg.model.revision)
+    model = AutoModelForImageTextToText.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation=cfg.model.attn_implementation
+    )
+    prepare_for_training(model, cfg)
     return add_lora(model, cfg, arch), zero3
+
+
+def prepare_for_training(model: torch.nn.Module, cfg: Config) -> None:
+    """Training mode, no KV cache, and activation checkpointing when `cfg.gradient_checkpointing`.
+
+    transformers checkpoints every layer class it marks as such (`GradientCheckpointingLayer`): the
+    language model's decoder layers and the vision tower's encoder layers (CLIP, SigLIP, Qwen2-VL's
+    blocks, InternVL's, Pixtral's), so a trained vision tower recomputes its activations too. It wraps
+    the layer's `forward`, not its `__call__`, so ZeRO-3's module hooks gather the parameters again for
+    the recomputation. Enabled before LoRA is added because PEFT, wrapping a model with checkpointing
+    on, makes the input embeddings' outputs require gradients (`enable_input_require_grads`), which
+    checkpointed layers need for the LoRA weights inside them to get gradients.
+    """
+    model.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        # `activation_checkpointing_enable` is transformers 5's name for `gradient_checkpointing_enable`
+        # (now a deprecated alias); non-reentrant checkpointing is the one torch recommends.
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    # from_pretrained returns the model in eval mode, and transformers recomputes a layer only in training
+    # mode; training mode also turns on the base model's own dropout where its config has any.
+    model.train()
 
 
 def add_lora(model: torch.nn.Module, cfg: Config, arch: Architecture) -> peft.PeftModel:
@@ -36,11 +62,31 @@ def add_lora(model: torch.nn.Module, cfg: Config, arch: Architecture) -> peft.Pe
         lora_dropout=cfg.lora.dropout,
         target_modules=lora_target_regex(model, arch, cfg.lora.target_modules),
         bias="none",
+        use_dora=cfg.lora.use_dora,
+        use_rslora=cfg.lora.use_rslora,
+        init_lora_weights=cfg.lora.init,
+        # PEFT deep-copies each of these inside GatheredParameters, so the copy is whole (not a ZeRO-3
+        # partition) and, like the LoRA tensors, partitioned at `deepspeed.initialize`.
+        modules_to_save=cfg.lora.modules_to_save,
     )
     # LoRA tensors are created as plain tensors on every rank; the same seed makes them identical,
     # which ZeRO-3 assumes when it partitions them at `deepspeed.initialize`.
     torch.manual_seed(cfg.train.seed)
-    return peft.get_peft_model(model, lora)
+    # PEFT upcasts adapter weights to fp32 by default; under ZeRO-3 init DeepSpeed no longer casts
+    # parameters, so a bf16 base would reach the optimizer with fp32 LoRA beside a bf16 trained aligner:
+    # two dtypes among its flat partitions. Keep the adapter in the base model's dtype instead: the
+    # fp32 precision lives in DeepSpeed's masters, which the checkpoint stores.
+    model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
+    _check_modules_to_save(model, cfg.lora.modules_to_save or [])
+    return model
+
+
+def _check_modules_to_save(model: peft.PeftModel, names: list[str]) -> None:
+    """PEFT silently skips a modules_to_save name that matches no module: refuse it instead."""
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, peft.utils.other.ModulesToSaveWrapper)]
+    unmatched = [n for n in names if not any(w == n or w.endswith("." + n) for w in wrapped)]
+    if unmatched:
+        raise ConfigError(f"lora.modules_to_save: {', '.join(unmatched)} match no module of the model")
 
 
 def base_name(name: str) -> str:
@@ -53,10 +99,12 @@ def is_lora(name: str) -> bool:
 
 
 def set_trainable(model: torch.nn.Module, arch: Architecture, cfg: Config) -> None:
-    """LoRA trainable; vision tower and aligner trainable unless frozen; everything else frozen.
+    """The adapter (LoRA, DoRA magnitudes, modules_to_save copies) trainable; vision tower and aligner
+    trainable unless frozen; everything else frozen.
 
     PEFT freezes every non-adapter parameter when it wraps the model; this re-enables the vision tower
-    and aligner as the config says, after a restore as well as on a fresh start.
+    and aligner as the config says, after a restore as well as on a fresh start. The original of a
+    modules_to_save copy stays frozen even there: the copy replaces it in the forward pass.
     """
     trained_parts = {
         "vision_tower": not cfg.train.freeze_vision,
@@ -64,7 +112,8 @@ def set_trainable(model: torch.nn.Module, arch: Architecture, cfg: Config) -> No
     }
     for name, param in model.named_parameters():
         name = base_name(name)
-        param.requires_grad_(is_lora(name) or trained_parts.get(arch.part_of(name), False))
+        trained_part = trained_parts.get(arch.part_of(name), False) and ".original_module." not in name
+        param.requires_grad_(is_adapter(name) or trained_part)
 
 
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

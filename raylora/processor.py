@@ -14,10 +14,14 @@ import functools
 import importlib
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
 import transformers
+from transformers.image_utils import SizeDict
+
+from raylora.config import ConfigError
 
 
 @functools.cache
@@ -64,7 +68,74 @@ def pixtral_processor_class() -> type:
 TORCHVISION_FREE = {"PixtralProcessor": pixtral_processor_class}
 
 
-def load_processor(model_path: str | Path):
+def load_processor(model_path: str | Path, max_pixels: int | None = None, min_pixels: int | None = None):
+    """The model folder's processor, with images capped at `max_pixels` / `min_pixels` (data.max_pixels,
+    data.min_pixels) where the architecture's image processor has a resolution knob (`cap_image_size`)."""
+    processor = _from_pretrained(model_path)
+    cap_image_size(processor.image_processor, max_pixels, min_pixels)
+    return processor
+
+
+def cap_image_size(image_processor, max_pixels: int | None, min_pixels: int | None) -> None:
+    """Hand the pixel caps to the image processor's own resolution knob, or refuse them (`ConfigError`).
+
+    - Qwen2-VL and Qwen2.5-VL keep each image's aspect ratio and scale it so that its pixel count lies in
+      `[size.shortest_edge, size.longest_edge]` (pixel counts, whatever the names say): the caps go there.
+      An image costs pixels / (patch_size * merge_size)^2 tokens, so the cap bounds its tokens.
+    - Pixtral (Mistral3) shrinks an image whose longest edge exceeds `size.longest_edge`; Idefics3 scales
+      each image to `size.longest_edge` and cuts it into tiles of `max_image_size`. A longest edge of
+      isqrt(max_pixels) keeps any aspect ratio within max_pixels. Neither has a minimum.
+    - The others (Llava's CLIP crop, Gemma3, InternVL's tiles, Idefics3 without image splitting) resize
+      every image to one fixed size, so there is nothing to cap: setting a cap is an error that says so.
+    """
+    if max_pixels is None and min_pixels is None:
+        return
+    name = type(image_processor).__name__
+    size = dict(image_processor.size)
+    if name.startswith("Qwen2VLImageProcessor"):
+        size["shortest_edge"] = min_pixels or size["shortest_edge"]
+        size["longest_edge"] = max_pixels or size["longest_edge"]
+        if size["shortest_edge"] > size["longest_edge"]:
+            raise ConfigError(
+                f"data.min_pixels ({size['shortest_edge']}) exceeds the most pixels per image "
+                f"({size['longest_edge']}, data.max_pixels or the model folder's own)"
+            )
+    elif name.startswith("PixtralImageProcessor") or (
+        name.startswith("Idefics3ImageProcessor") and image_processor.do_image_splitting
+    ):
+        if min_pixels is not None:
+            raise ConfigError(f"data.min_pixels: {name} has no minimum image size; leave it unset")
+        size["longest_edge"] = math.isqrt(max_pixels)
+    else:
+        raise ConfigError(
+            f"data.max_pixels / data.min_pixels: the model's processor ({name}) resizes every image to "
+            f"{_fixed_size(image_processor)}, so there is no resolution to cap; leave them unset"
+        )
+    image_processor.size = SizeDict(**size)
+
+
+def check_image_caps(model_path: str | Path, max_pixels: int | None, min_pixels: int | None) -> None:
+    """Before Ray starts: refuse pixel caps the model's image processor cannot honour (its config only)."""
+    if max_pixels is not None or min_pixels is not None:
+        cap_image_size(transformers.AutoImageProcessor.from_pretrained(model_path), max_pixels, min_pixels)
+
+
+def _fixed_size(image_processor) -> str:
+    """'WxH' of the one size an image processor gives every image."""
+    if getattr(image_processor, "do_center_crop", False) and getattr(image_processor, "crop_size", None):
+        size = image_processor.crop_size
+    elif getattr(image_processor, "max_image_size", None):  # Idefics3 without image splitting
+        edge = image_processor.max_image_size["longest_edge"]
+        return f"{edge}x{edge}"
+    else:
+        size = image_processor.size
+    fixed = f"{size['width']}x{size['height']}"
+    if getattr(image_processor, "crop_to_patches", False):  # InternVL: the tile count is its max_patches
+        return f"{fixed} tiles (at most {image_processor.max_patches}: max_patches in the model folder)"
+    return fixed
+
+
+def _from_pretrained(model_path: str | Path):
     """`AutoProcessor.from_pretrained(model_path)`; where torchvision is missing, the same class loaded
     without it (`TORCHVISION_FREE`) or in its image-only form (processors with a video part)."""
     try:

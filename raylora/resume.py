@@ -19,7 +19,7 @@ from pathlib import Path
 import pyarrow.fs
 import ray.train
 
-from raylora import checkpoint
+from raylora import checkpoint, hub
 from raylora.config import Config, ConfigError, storage_path
 from raylora.progress import run_folder
 
@@ -97,9 +97,10 @@ def expected_trainable(cfg: Config) -> dict[str, list[int]]:
     from raylora.arch import detect
     from raylora.model import add_lora, set_trainable, shapes, trainable_parameters
 
-    arch = detect(cfg.model.path, cfg.model.arch)
+    model_dir = hub.resolve(cfg.model.path, cfg.model.revision, config_only=True)
+    arch = detect(model_dir, cfg.model.arch)
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(cfg.model.path))
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir))
         model = add_lora(model, cfg, arch)
     set_trainable(model, arch, cfg)
     return shapes(trainable_parameters(model))
@@ -114,14 +115,17 @@ def check_resume(cfg: Config) -> checkpoint.TrainState | None:
     arch = state.extra.get("arch")
     from raylora.arch import detect
 
-    here = detect(cfg.model.path, cfg.model.arch).model_type
+    model_dir = hub.resolve(cfg.model.path, cfg.model.revision, config_only=True)
+    here = detect(model_dir, cfg.model.arch).model_type
     if arch and arch != here:
         raise ConfigError(
             f"run {cfg.run.name} resumes from {folder}, made for architecture {arch}; "
             f"model.path is a {here} model"
         )
     fingerprint = state.extra.get("base_model")
-    if fingerprint and fingerprint != base_model_fingerprint(cfg.model.path):
+    # A Hub model's weights are fetched to the driver here, and only here: a resume must be refused on
+    # this side of Ray when the base model changed, and the fingerprint is made from the files.
+    if fingerprint and fingerprint != base_model_fingerprint(hub.resolve(cfg.model.path, cfg.model.revision)):
         raise ConfigError(
             f"run {cfg.run.name} resumes from {folder}, made on another base model than {cfg.model.path} "
             f"(config.json or weights differ); use another run.name to start over"

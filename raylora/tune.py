@@ -114,7 +114,8 @@ def run_tune(
     for key in ("train", "eval"):  # trials may run in another working directory
         if base["data"][key] and "://" not in base["data"][key]:
             base["data"][key] = os.path.abspath(base["data"][key])
-    base["model"]["path"] = os.path.abspath(base["model"]["path"])
+    if os.path.isdir(base["model"]["path"]):  # a Hub id stays as it is: each node resolves it
+        base["model"]["path"] = os.path.abspath(base["model"]["path"])
     if not resume and space_path is None:
         raise ConfigError("raylora tune needs --space SPACE.yaml (or --resume)")
     space = load_space(space_path, base_cfg) if space_path else {}

@@ -22,16 +22,16 @@ import deepspeed
 import ray.train
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import get_cosine_schedule_with_warmup
 
-from raylora import checkpoint, zero
+from raylora import checkpoint, hub, zero
 from raylora.arch import Architecture, detect
 from raylora.config import Config, storage_path
-from raylora.data import IGNORE_INDEX, GlobalSampler, ImageTextData, answer_ids, make_batch
+from raylora.data import GlobalSampler, ImageTextData, answer_ids, check_max_length, limit_length
 from raylora.drills import maybe_kill
 from raylora.evaluate import evaluate_sharded
-from raylora.model import build_model, is_lora, set_trainable, shapes, trainable_parameters
+from raylora.loss import answer_token_losses
+from raylora.model import build_model, set_trainable, shapes, trainable_parameters
 from raylora.processor import load_processor
 from raylora.progress import count_attempt
 from raylora.redact import redact
@@ -69,7 +69,7 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
     rank, world = dist.get_rank(), dist.get_world_size()
     started = [count_attempt(storage_path(cfg), cfg.run.name) if rank == 0 else 0]
     dist.broadcast_object_list(started, src=0)
-    arch = detect(cfg.model.path, cfg.model.arch)
+    arch = detect(hub.resolve(cfg.model.path, cfg.model.revision), cfg.model.arch)
     ds_config = zero.deepspeed_config(cfg, world)
     model, zero3 = build_model(cfg, arch, ds_config)
     set_trainable(model, arch, cfg)
@@ -81,8 +81,9 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
     def schedule(optimizer):
         return get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, cfg.train.max_steps)
 
-    lora = [p for n, p in params.items() if is_lora(n)]
-    modules = [p for n, p in params.items() if not is_lora(n)]
+    # the adapter (modules_to_save copies included) at train.lr; the vision tower and aligner at vision_lr
+    lora = [p for n, p in params.items() if checkpoint.is_adapter(n)]
+    modules = [p for n, p in params.items() if not checkpoint.is_adapter(n)]
     groups = [{"params": lora, "lr": cfg.train.lr}]
     if modules:
         groups.append({"params": modules, "lr": cfg.train.vision_lr or cfg.train.lr})
@@ -97,7 +98,11 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
         log.warning(
             "skipped %d bad rows of %s (first: row %d, %s)", len(data.bad_rows), data.uri, row, reason
         )
-    processor = load_processor(cfg.model.path)
+    processor = load_processor(
+        hub.resolve(cfg.model.path, cfg.model.revision), cfg.data.max_pixels, cfg.data.min_pixels
+    )
+    if cfg.data.max_length is not None:
+        check_max_length(processor, cfg.data.max_length)
     s = Setup(
         cfg=cfg,
         engine=engine,
@@ -128,36 +133,38 @@ def train_step(s: Setup) -> dict[str, float]:
     cfg, engine, step = s.cfg, s.engine, s.step
     # Dropout noise from (seed, step, rank) alone, so a resumed run draws what the uninterrupted one drew.
     torch.manual_seed(hash((cfg.train.seed, step, s.rank)) & 0x7FFF_FFFF_FFFF)
+    # The learning rates this step trains at (engine.step() moves the schedule on at the step's end):
+    # the LoRA group's, then the trained vision tower/aligner group's when there is one.
+    lrs = s.scheduler.get_last_lr()
     global_batch = s.sampler.global_batch(step)
-    global_tokens = sum(s.answer_tokens[i] for i in global_batch)
+    start = time.perf_counter()
+    batches, too_long, skipped_tokens = step_batches(s, step)
+    # At least 1: a step whose every sample is too long has no answer tokens, and a loss of 0.
+    global_tokens = max(1, sum(s.answer_tokens[i] for i in global_batch) - skipped_tokens)
     # The loss is a mean over the global batch's answer tokens. DeepSpeed divides by the accumulation
     # steps and averages over ranks, so scale each micro batch's token sum to undo both: the gradient
     # then does not depend on how the batch is split over workers.
     scale = s.world_size * cfg.grad_accum_steps(s.world_size) / global_tokens
     device = engine.device
-    totals = torch.zeros(2, dtype=torch.float64)
-    start = time.perf_counter()
-    for micro in s.sampler.micro_batches(step, s.rank, s.world_size, cfg.train.micro_batch_size):
-        batch = make_batch(s.processor, [s.data.example(i) for i in micro])
+    # Collectives carry tensors on the device the process group serves: NCCL (GPU) rejects CPU tensors.
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")
-        logits = engine(**batch).logits.float()
-        token_loss = F.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]),
-            labels[:, 1:].reshape(-1),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
+        token_loss = answer_token_losses(engine, batch, labels)[0].sum()
         engine.backward(token_loss * scale)
         engine.step()
-        totals += torch.tensor([token_loss.item(), float(batch["attention_mask"].sum())], dtype=torch.float64)
+        totals += torch.tensor(
+            [token_loss.item(), float(batch["attention_mask"].sum())], dtype=torch.float64, device=device
+        )
     dist.all_reduce(totals)
     elapsed = time.perf_counter() - start
     s.step += 1
     return {
         "step": s.step,
         "loss": totals[0].item() / global_tokens,
-        "lr": s.scheduler.get_last_lr()[0],
+        "lr": lrs[0],
+        **({"vision_lr": lrs[1]} if len(lrs) > 1 else {}),
         "samples_per_s": cfg.train.global_batch_size / elapsed,
         "tokens_per_s": totals[1].item() / elapsed,
         "max_steps": cfg.train.max_steps,
@@ -165,7 +172,27 @@ def train_step(s: Setup) -> dict[str, float]:
         "restarts": s.restarts,
         "world_size": s.world_size,  # changes within a run when an elastic [min, max] group is resized
         "bad_rows": len(s.data.bad_rows),
+        "too_long": too_long,  # samples of this step longer than data.max_length, skipped on every rank
     }
+
+
+def step_batches(s: Setup, step: int) -> tuple[list[dict], int, int]:
+    """This rank's micro batches of `step`, and over all ranks: samples skipped as too long, and their
+    answer tokens.
+
+    Every batch of the step is built before the first backward: the loss is normalised by the global
+    batch's answer tokens, so the tokens of samples skipped on any rank must be known first (one small
+    all_reduce). Whether a sample is too long depends on the sample alone, so a resumed run skips the same.
+    """
+    batches = []
+    skipped = torch.zeros(2, dtype=torch.float64, device=s.engine.device)  # NCCL serves device tensors only
+    for micro in s.sampler.micro_batches(step, s.rank, s.world_size, s.cfg.train.micro_batch_size):
+        batch, too_long = limit_length(s.processor, [s.data.example(i) for i in micro], s.cfg.data.max_length)
+        batches.append(batch)
+        skipped[0] += len(too_long)
+        skipped[1] += sum(s.answer_tokens[micro[i]] for i in too_long)
+    dist.all_reduce(skipped)
+    return batches, int(skipped[0].item()), int(skipped[1].item())
 
 
 def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
@@ -189,7 +216,10 @@ def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
         config=redact(s.cfg.to_dict()),
         versions=checkpoint.versions(),
         restarts=s.restarts,
-        extra={"arch": s.arch.model_type, "base_model": base_model_fingerprint(s.cfg.model.path)},
+        extra={
+            "arch": s.arch.model_type,
+            "base_model": base_model_fingerprint(hub.resolve(s.cfg.model.path, s.cfg.model.revision)),
+        },
     )
     folder = tempfile.mkdtemp(prefix=f"raylora-step{s.step}-")
     checkpoint.save(folder, weights, moments, state, s.engine.module.peft_config["default"])

@@ -28,7 +28,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def deepspeed_config(cfg: Config, world_size: int) -> dict:
-    """The ZeRO-3 DeepSpeed config for this run on `world_size` ranks (bf16 on GPU, fp32 on CPU)."""
+    """The ZeRO-3 DeepSpeed config for this run on `world_size` ranks (bf16 or fp32: `cfg.bf16`)."""
     t = cfg.train
     return {
         "train_batch_size": t.global_batch_size,
@@ -52,7 +52,15 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
                 "torch_adam": True,
             },
         },
-        "bf16": {"enabled": cfg.scaling.use_gpu},
+        "bf16": {"enabled": cfg.bf16},
+        # Under bf16, DeepSpeed would accumulate gradients over micro batches and reduce-scatter them in
+        # bf16 (the model dtype): 8 bits of mantissa summed over ranks and micro batches. Keep both in
+        # fp32, as the masters and Adam moments are.
+        **(
+            {"data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
+            if cfg.bf16
+            else {}
+        ),
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -97,19 +105,15 @@ def partition_load(params: dict[str, torch.nn.Parameter], values: dict[str, torc
             part.data[: chunk.numel()].copy_(chunk.to(part.dtype))
 
 
-def _zero_optimizer(engine):
-    return engine.optimizer
-
-
 def _slots(engine, params: dict[str, torch.nn.Parameter]) -> dict[str, tuple[int, int, int]]:
     """name -> (flat group index, offset in the rank's flat partition, partition length)."""
-    opt = _zero_optimizer(engine)
+    opt = engine.optimizer
     return {n: tuple(opt.grad_position[opt.get_param_id(p)]) for n, p in params.items()}
 
 
 def ensure_optimizer_state(engine, step: int) -> None:
     """Create the AdamW state that ZeRO-3 only builds lazily at the first step, so it can be written."""
-    opt = _zero_optimizer(engine)
+    opt = engine.optimizer
     for flat in opt.fp32_partitioned_groups_flat:
         state = opt.optimizer.state[flat]
         if not state:
@@ -120,15 +124,23 @@ def ensure_optimizer_state(engine, step: int) -> None:
             state["step"] = torch.tensor(float(step))
 
 
+# Elements of a rank's flat partition sent per `gather` at save: rank 0 receives world x 3 rows
+# (master, exp_avg, exp_avg_sq) of this many fp32 values per message, which bounds the extra device
+# memory a save needs whatever the size of a trained vision tower (8 ranks: 1.5 GiB).
+GATHER_CHUNK = 1 << 24
+
+
 def gather_trainable_state(
     engine, params: dict[str, torch.nn.Parameter]
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
-    """Full fp32 masters and Adam moments of `params`, on rank 0 (None elsewhere).
+    """Full fp32 masters and Adam moments of `params`, on rank 0 (None elsewhere), in host memory.
 
-    One `gather` per flat group carries the master and both moments of every parameter in it.
+    One `gather` per flat group (per `GATHER_CHUNK` of it) carries the master and both moments of
+    every parameter in it. The tensors travel on the device the engine's process group serves (a CPU
+    tensor on an NCCL group is an error); rank 0 moves each message to host memory as it arrives.
     Every rank must call this. Before the first optimizer step the moments are zeros.
     """
-    opt = _zero_optimizer(engine)
+    opt = engine.optimizer
     rank, world = dist.get_rank(), dist.get_world_size()
     slots = _slots(engine, params)
     by_group: dict[int, list[str]] = defaultdict(list)
@@ -141,16 +153,24 @@ def gather_trainable_state(
         rows = [flat.detach()] + [
             state[k].detach() if k in state else torch.zeros_like(flat) for k in MOMENTS
         ]
-        local = torch.stack(rows).float().cpu().contiguous()
-        gathered = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
-        dist.gather(local, gathered, dst=0)
+        size = flat.numel()  # the same on every rank: ZeRO-3 pads flat partitions to equal length
+        parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        for start in range(0, size, GATHER_CHUNK):
+            local = torch.stack([r[start : start + GATHER_CHUNK] for r in rows]).float()
+            local = local.to(engine.device).contiguous()
+            gathered = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
+            dist.gather(local, gathered, dst=0)
+            if rank == 0:
+                for r, g in enumerate(gathered):
+                    parts[r].append(g.cpu())
         if rank != 0:
             continue
+        per_rank = [torch.cat(p, dim=1) for p in parts]
         for name in by_group[group]:
             _, offset, length = slots[name]
             param = params[name]
             # ZeRO-3 layout: the flattened parameter, padded to world * length, rank r holds slice r.
-            full = torch.cat([g[:, offset : offset + length] for g in gathered], dim=1)[:, : param.ds_numel]
+            full = torch.cat([g[:, offset : offset + length] for g in per_rank], dim=1)[:, : param.ds_numel]
             shape = full_shape(param)
             weights[name] = full[0].reshape(shape).clone()
             for i, key in enumerate(MOMENTS, start=1):
@@ -170,7 +190,7 @@ def set_trainable_state(
     The masters matter under bf16: the engine built them from bf16 parameters at `initialize`, which
     lost the fp32 precision the checkpoint kept.
     """
-    opt = _zero_optimizer(engine)
+    opt = engine.optimizer
     ensure_optimizer_state(engine, step)
     rank = dist.get_rank(group=next(iter(params.values())).ds_process_group)
     for name, (group, offset, length) in _slots(engine, params).items():

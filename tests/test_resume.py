@@ -22,6 +22,7 @@ from raylora.driver import run
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 KILL_AT = 3  # rank 1 dies before step 4 (3 steps done); the last checkpoint was at step 2
+VISION_LR = "train.vision_lr=5e-4"  # the vision tower and aligner on a schedule of their own
 
 
 @pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
@@ -29,8 +30,10 @@ def runs(request, ray_cluster, tiny_models, digits, tmp_path_factory):
     arch = request.param
     storage = tmp_path_factory.mktemp(f"runs-{arch}")
     model_dir = tiny_models(arch)
-    straight = run(tiny_run_config(model_dir, digits[0], storage, "straight"))
-    killed = run(tiny_run_config(model_dir, digits[0], storage, "killed", f"fault.kill_at_steps={KILL_AT}"))
+    straight = run(tiny_run_config(model_dir, digits[0], storage, "straight", VISION_LR))
+    killed = run(
+        tiny_run_config(model_dir, digits[0], storage, "killed", VISION_LR, f"fault.kill_at_steps={KILL_AT}")
+    )
     assert straight.error is None and killed.error is None
     return {"arch": arch, "model_dir": model_dir, "straight": straight, "killed": killed, "storage": storage}
 
@@ -62,6 +65,28 @@ def test_losses_after_resume_equal_uninterrupted(runs):
     for m in resumed:
         assert m["loss"] == straight[m["step"]], f"loss at step {m['step']} differs after resume"
     assert all(m["restarts"] == 1 for m in resumed)
+
+
+def test_metrics_carry_the_lr_each_step_trained_at(runs):
+    """Each row's lr and vision_lr are the rates its own step used, read off the schedule, not the next."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    peak = {"lr": 1e-3, "vision_lr": 5e-4}  # tiny_run_config's train.lr and VISION_LR
+    groups = [{"params": [torch.zeros(1, requires_grad=True)], "lr": lr} for lr in peak.values()]
+    optimizer = torch.optim.SGD(groups)
+    schedule = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=6)
+    expected = {}
+    for step in range(1, 7):
+        expected[step] = schedule.get_last_lr()
+        optimizer.step()
+        schedule.step()
+    rows = runs["straight"].return_value + runs["killed"].return_value
+    for m in rows:
+        assert [m["lr"], m["vision_lr"]] == pytest.approx(expected[m["step"]], rel=1e-12), m["step"]
+    last = max(rows, key=lambda m: m["step"])
+    assert last["step"] == 6 and last["lr"] > 0, (
+        "the last step trained at a positive lr, not the 0.0 after it"
+    )
 
 
 def test_checkpoint_holds_only_trained_state(runs):
@@ -104,19 +129,30 @@ def test_plain_peft_loads_the_adapter(runs):
         assert torch.equal(loaded[name].detach(), tensor), name
 
 
-def _restore_probe(cfg, folder: str) -> dict:
-    """On each rank: restore from `folder`, then read back what the engine holds before any step."""
+def _restore_probe(cfg, folder: str, examples: list | None = None) -> dict:
+    """On each rank: restore from `folder`, then read back what the engine holds before any step
+    (and, given `examples`, the restored ZeRO-3 model's logits on them, in eval mode)."""
     from raylora import zero
+    from raylora.data import make_batch
     from raylora.worker import setup
 
     loaded = checkpoint.load(folder)
     s = setup(cfg, loaded)
     model_values = zero.read_params(s.params)
     gathered = zero.gather_trainable_state(s.engine, s.params)
+    logits = None
+    if examples is not None:  # every rank takes part in a ZeRO-3 forward pass
+        batch = make_batch(s.processor, examples)
+        batch.pop("labels")
+        s.engine.module.eval()
+        with torch.no_grad():
+            logits = s.engine.module(**{k: v.to(s.engine.device) for k, v in batch.items()}).logits
+        logits = logits.cpu().numpy()  # Ray Train refuses tensors in a training function's return value
     if s.rank != 0:
         return {}
     masters, moments = gathered
     return {
+        "logits": logits,
         "step": s.step,
         "lr": s.scheduler.get_last_lr()[0],
         "params_equal": all(torch.equal(model_values[n], loaded.weights[n]) for n in loaded.weights),
@@ -130,7 +166,7 @@ def test_restore_equals_checkpoint_before_any_step(runs, tmp_path):
     arch_ckpt = runs["straight"].best_checkpoints[0][0]  # the step-2 checkpoint, mid-schedule
     with arch_ckpt.as_directory() as folder:
         state = checkpoint.load(folder).state
-        cfg = tiny_run_config(runs["model_dir"], state.config["data"]["train"], tmp_path, "probe")
+        cfg = tiny_run_config(runs["model_dir"], state.config["data"]["train"], tmp_path, "probe", VISION_LR)
         trainer = TorchTrainer(
             lambda: _restore_probe(cfg, folder),
             scaling_config=ray.train.ScalingConfig(num_workers=2),

@@ -1,0 +1,262 @@
+"""Memory controls: answer-only logits, gradient checkpointing, pixel caps, max_length.
+
+Single-process tests on every tiny architecture where no Ray is needed; one distributed run pair (2 workers,
+ZeRO-3, checkpointing on, some samples too long, a worker killed and resumed) against a straight run.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from raylora import checkpoint, config
+from raylora.arch import detect
+from raylora.assets import PROMPT, TINY_ARCHS, tiny_run_config
+from raylora.config import ConfigError
+from raylora.data import IGNORE_INDEX, ImageTextData, check_max_length, limit_length, make_batch
+from raylora.driver import preflight
+from raylora.loss import answer_token_losses
+from raylora.model import add_lora, base_name, prepare_for_training, set_trainable
+from raylora.processor import load_processor
+
+LONG_PROMPT = " ".join([PROMPT] * 4)
+
+
+def _examples(digits, n: int = 3) -> list:
+    data = ImageTextData(str(digits[0]))
+    # prompts of different lengths, so rows are padded and answers sit at different positions
+    return [
+        (img, prompt if i % 2 else LONG_PROMPT, answer)
+        for i, (img, prompt, answer) in enumerate(data.example(j) for j in range(n))
+    ]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_answer_only_loss_equals_full_logits_loss(arch, tiny_models, digits):
+    folder = tiny_models(arch)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    processor = load_processor(folder)
+    batch = make_batch(processor, _examples(digits))
+    labels = batch.pop("labels")
+    lm_head_rows = []
+    model.lm_head.register_forward_hook(lambda m, i, out: lm_head_rows.append(out.shape[:-1].numel()))
+    with torch.no_grad():
+        logits = model(**batch).logits.float()
+        full = F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]),
+            labels[:, 1:].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        losses, rows = answer_token_losses(model, batch, labels)
+    answers = labels != IGNORE_INDEX
+    assert lm_head_rows == [labels.numel(), int(answers.sum())], (
+        "logits of non-answer positions were computed"
+    )
+    assert rows.tolist() == answers.nonzero()[:, 0].tolist()
+    torch.testing.assert_close(losses.sum(), full, rtol=1e-6, atol=1e-6)
+
+
+def _checkpointed_layers(model, prefix: str) -> list:
+    return [
+        m
+        for n, m in model.named_modules()
+        if n.startswith(prefix + ".") and isinstance(m, GradientCheckpointingLayer)
+    ]
+
+
+def _one_step(folder: str, examples: list, on: bool) -> tuple[float, dict, dict]:
+    """Loss, trainable gradients, and forward calls per part, of a LoRA model with a trained vision tower."""
+    cfg = config.from_dict(
+        {
+            "model": {"path": folder},
+            "lora": {"r": 4, "dropout": 0.1},
+            "train": {"gradient_checkpointing": on, "freeze_vision": False, "freeze_aligner": False},
+        }
+    )
+    arch = detect(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    prepare_for_training(model, cfg)
+    model = add_lora(model, cfg, arch)
+    set_trainable(model, arch, cfg)
+    base = model.get_base_model()
+    calls = {}
+    for part in ("vision_tower", "language_model"):
+        layers = _checkpointed_layers(base, getattr(arch, part))
+        assert layers, f"no checkpointable layers in the {part}"
+        first_linear = next(m for m in layers[0].modules() if isinstance(m, torch.nn.Linear))
+        calls[part] = 0
+
+        def count(*_, part=part):
+            calls[part] += 1
+
+        first_linear.register_forward_hook(count)
+    if on:
+        assert getattr(base, "_require_grads_hooks", None), "PEFT did not enable the input embeddings' grads"
+    batch = make_batch(load_processor(folder), examples)
+    labels = batch.pop("labels")
+    torch.manual_seed(0)
+    loss = answer_token_losses(model, batch, labels)[0].sum()
+    loss.backward()
+    # some trained parameters take no part (e.g. CLIP's post_layernorm, which Llava skips): no gradient
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.item(), grads, calls
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_gradient_checkpointing_same_loss_and_gradients(arch, tiny_models, digits):
+    folder, examples = tiny_models(arch), _examples(digits, 2)
+    loss_off, grads_off, calls_off = _one_step(folder, examples, on=False)
+    loss_on, grads_on, calls_on = _one_step(folder, examples, on=True)
+    # each checkpointed layer runs again in the backward pass: the vision tower's as well as the decoder's
+    assert calls_off == {"vision_tower": 1, "language_model": 1}
+    assert calls_on == {"vision_tower": 2, "language_model": 2}
+    assert loss_on == pytest.approx(loss_off, rel=1e-6)
+    assert grads_on.keys() == grads_off.keys()
+    part = detect(folder).part_of
+    nonzero = {part(base_name(n)) or "lora" for n, g in grads_off.items() if g.abs().sum() > 0}
+    assert {"vision_tower", "language_model"} <= nonzero, "LoRA and the vision tower both get gradients"
+    for name in grads_off:
+        torch.testing.assert_close(grads_on[name], grads_off[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def _image_tokens(processor, image) -> int:
+    batch = processor(
+        text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[image], return_tensors="pt"
+    )
+    return int((batch["input_ids"] == processor.image_token_id).sum())
+
+
+def test_max_pixels_bounds_image_tokens_qwen2_vl(tiny_models):
+    folder = tiny_models("qwen2_vl")
+    large = Image.new("RGB", (640, 640), (200, 10, 10))
+    per_token = (4 * 2) ** 2  # pixels per image token: 4 px patches, 2x2 merged
+    assert _image_tokens(load_processor(folder), large) == 256 // per_token  # the tiny folder's own cap
+    for max_pixels in (1024, 4096):
+        tokens = _image_tokens(load_processor(folder, max_pixels=max_pixels), large)
+        assert max_pixels // per_token // 2 <= tokens <= max_pixels // per_token
+    processor = load_processor(folder, max_pixels=4096, min_pixels=1024)
+    assert _image_tokens(processor, Image.new("RGB", (8, 8))) >= 1024 // per_token  # upscaled to min_pixels
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.attn_implementation=flash"], "model.attn_implementation must be one of"),
+        (["model.attn_implementation=flash_attention_2"], "needs scaling.use_gpu and bf16"),
+        (["data.max_length=0"], "data.max_length must be positive"),
+        (["data.max_pixels=100", "data.min_pixels=200"], "data.min_pixels (200) exceeds data.max_pixels"),
+    ],
+)
+def test_memory_config_errors(overrides, message, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        tiny_run_config(tmp_path, tmp_path / "train.parquet", tmp_path, "bad", *overrides)
+    assert message in str(err.value)
+
+
+def test_gradient_checkpointing_default_follows_the_device(tmp_path):
+    on_cpu = tiny_run_config(tmp_path, tmp_path / "t.parquet", tmp_path, "x")
+    on_gpu = tiny_run_config(tmp_path, tmp_path / "t.parquet", tmp_path, "x", "scaling.use_gpu=true")
+    assert on_cpu.train.gradient_checkpointing is None and on_gpu.train.gradient_checkpointing is None
+    assert not on_cpu.gradient_checkpointing and on_gpu.gradient_checkpointing
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, message",
+    [
+        ("llava", ["data.max_pixels=4096"], "resizes every image to 16x16"),
+        ("gemma3", ["data.min_pixels=64"], "resizes every image to 16x16"),
+        ("internvl", ["data.max_pixels=4096"], "resizes every image to 16x16"),
+        ("mistral3", ["data.min_pixels=64"], "has no minimum image size"),
+        (
+            "qwen2_vl",
+            ["data.min_pixels=4096"],
+            "data.min_pixels (4096) exceeds the most pixels per image (256",
+        ),
+        (
+            "qwen2_vl",
+            ["model.attn_implementation=flash_attention_2", "scaling.use_gpu=true"],
+            "needs the flash_attn package",
+        ),
+    ],
+)
+def test_refused_before_ray_starts(arch, overrides, message, tiny_models, digits, tmp_path):
+    cfg = tiny_run_config(tiny_models(arch), digits[0], tmp_path, "refused", *overrides)
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg)
+    assert message in str(err.value)
+
+
+def test_too_long_samples_are_replaced_by_a_blank_row(tiny_models, digits):
+    processor = load_processor(tiny_models("qwen2_vl"))
+    examples = _examples(digits, 3)  # rows 0 and 2 have the long prompt
+    lengths = make_batch(processor, examples)["attention_mask"].sum(dim=1).tolist()
+    assert lengths[0] == lengths[2] > lengths[1]
+    batch, too_long = limit_length(processor, examples, max_length=lengths[1])
+    assert too_long == [0, 2]
+    assert batch["input_ids"].shape[1] == lengths[1]
+    assert (batch["labels"][too_long] == IGNORE_INDEX).all() and (batch["labels"][1] != IGNORE_INDEX).any()
+    assert batch["image_grid_thw"].shape[0] == 3, "the stand-in rows still carry an image"
+    unlimited, none = limit_length(processor, examples, max_length=None)
+    assert none == [] and torch.equal(unlimited["input_ids"], make_batch(processor, examples)["input_ids"])
+    check_max_length(processor, lengths[1])
+    with pytest.raises(ConfigError, match=r"data.max_length \(5\).*takes \d+ tokens, 4 of them image tokens"):
+        check_max_length(processor, 5)
+
+
+# ------------------------------------------------------------------------------------------ distributed
+
+
+def _mixed_lengths(digits, folder) -> tuple[str, set[int]]:
+    """The digits' training rows with every third prompt four times as long; (file, long rows)."""
+    table = pq.read_table(digits[0])
+    prompts = table.column("prompt").to_pylist()
+    long_rows = set(range(0, len(prompts), 3))
+    prompts = [LONG_PROMPT if i in long_rows else p for i, p in enumerate(prompts)]
+    path = f"{folder}/mixed.parquet"
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("prompt"), "prompt", pa.array(prompts)), path
+    )
+    return path, long_rows
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_too_long_skipped_with_checkpointing_and_resume_equals_straight_run(
+    ray_cluster, tiny_models, digits, tmp_path
+):
+    from raylora.data import GlobalSampler
+    from raylora.driver import run
+    from raylora.progress import read_metrics
+
+    folder = tiny_models("qwen2_vl")
+    train, long_rows = _mixed_lengths(digits, tmp_path)
+    processor = load_processor(folder)
+    data = ImageTextData(train)
+    short = make_batch(processor, [data.example(1)])["attention_mask"].sum().item()
+    steps = 3
+    base = [f"train.max_steps={steps}", "train.gradient_checkpointing=true", f"data.max_length={short}"]
+    results = {}
+    for name, extra in (("straight", []), ("drill", ["fault.kill_at_steps=2", "fault.kill_rank=1"])):
+        result = run(tiny_run_config(folder, train, tmp_path, name, *base, *extra))
+        assert result.error is None
+        with result.checkpoint.as_directory() as ckpt:
+            results[name] = checkpoint.load(ckpt)
+    sampler = GlobalSampler(len(data), 8, 0)
+    expected = [sum(i in long_rows for i in sampler.global_batch(step)) for step in range(steps)]
+    assert all(expected) and any(n < 8 for n in expected), expected
+    for name in results:
+        rows = {r["step"]: r for r in read_metrics(str(tmp_path), name)}
+        assert [rows[s + 1]["too_long"] for s in range(steps)] == expected, name
+    straight, drill = results["straight"], results["drill"]
+    assert drill.state.restarts == 1 and drill.state.step == straight.state.step == steps
+    for name, value in straight.weights.items():
+        assert torch.equal(drill.weights[name], value), name
+    for name, value in straight.moments.items():
+        assert torch.equal(drill.moments[name], value), name

@@ -2,8 +2,8 @@
 
 llava-1.5-7b (CLIP ViT-L/14-336 + Llama-2-7B + 2-layer MLP projector) and Qwen2-VL-7B-Instruct, built
 from config classes with no weights (`torch.device("meta")`), LoRA r=16 on every linear layer of the
-language model exactly as raylora adds it (`raylora.model.add_lora`, `set_trainable`), vision tower and
-aligner frozen, then trained. Bytes are computed, not measured; the assumptions are in the JSON.
+language model exactly as raylora's workers add it (`raylora.model.meta_model`, `mark_trained`), vision
+tower and aligner frozen, then trained. Bytes are computed, not measured; the assumptions are in the JSON.
 """
 
 from __future__ import annotations
@@ -93,13 +93,10 @@ def safetensors_header(shapes: dict[str, list[int]], bytes_per_value: int) -> in
 
 
 def count(model_config, arch_name: str, trained_vision: bool) -> dict:
-    import torch
-    from transformers import AutoModelForImageTextToText
-
     from raylora import config as cfgmod
     from raylora.arch import REGISTRY
     from raylora.checkpoint import adapter_key
-    from raylora.model import add_lora, is_lora, set_trainable, shapes, trainable_parameters
+    from raylora.model import base_name, is_lora, mark_trained, meta_model, shapes
 
     arch = REGISTRY[arch_name]
     cfg = cfgmod.from_dict(
@@ -108,17 +105,14 @@ def count(model_config, arch_name: str, trained_vision: bool) -> dict:
             "train": {"freeze_vision": not trained_vision, "freeze_aligner": not trained_vision},
         }
     )
-    with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(model_config)
-        model = add_lora(model, cfg, arch)
-    set_trainable(model, arch, cfg)
-    trainable = shapes(trainable_parameters(model))
+    model = meta_model(cfg, arch, model_config)  # the same model and marking the workers use
+    trainable = shapes(mark_trained(model, arch, cfg))
     parts: dict[str, int] = {}
     total = 0
     for name, p in model.named_parameters():
         total += p.numel()
         if not is_lora(name):
-            part = arch.part_of(name[len("base_model.model.") :]) or "other (lm_head)"
+            part = arch.part_of(base_name(name)) or "other (lm_head)"
             parts[part] = parts.get(part, 0) + p.numel()
     n_trainable = sum(_numel(s) for s in trainable.values())
     lora = {adapter_key(n): s for n, s in trainable.items() if is_lora(n)}

@@ -9,6 +9,7 @@ prefixes are taken from the model code but no raylora test has trained one.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -65,8 +66,12 @@ REGISTRY: dict[str, Architecture] = {
 }
 
 
+@functools.cache
 def detect(model_path: str | Path, arch: str | None = None) -> Architecture:
-    """The registry entry named by `arch`, or by the folder's config.json `model_type`."""
+    """The registry entry named by `arch`, or by the folder's config.json `model_type`.
+
+    Once per process for each folder: the driver's checks and a worker's build ask it several times.
+    """
     if arch is None:
         config_file = Path(model_path) / "config.json"
         try:

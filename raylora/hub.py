@@ -65,10 +65,10 @@ def resolve(path: str, revision: str | None = None, *, config_only: bool = False
 
 
 def _download(repo_id: str, revision: str | None, allow_patterns: list[str] | None) -> str:
-    name = f"{repo_id.replace('/', '--')}@{revision or 'main'}.lock"
+    name = f"{repo_id}@{revision or 'main'}.lock".replace("/", "--")
     lock = Path(constants.HF_HUB_CACHE) / ".locks" / "raylora" / name
-    lock.parent.mkdir(parents=True, exist_ok=True)
     try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(lock):
             folder = huggingface_hub.snapshot_download(
                 repo_id, revision=revision, allow_patterns=allow_patterns

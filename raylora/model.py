@@ -44,7 +44,8 @@ def prepare_for_training(model: torch.nn.Module, cfg: Config) -> None:
     on, makes the input embeddings' outputs require gradients (`enable_input_require_grads`), which
     checkpointed layers need for the LoRA weights inside them to get gradients.
     """
-    model.config.use_cache = False
+    # the language model reads its own (text) config's use_cache: a cache would be built in every forward
+    model.config.use_cache = model.config.get_text_config().use_cache = False
     if cfg.gradient_checkpointing:
         # `activation_checkpointing_enable` is transformers 5's name for `gradient_checkpointing_enable`
         # (now a deprecated alias); non-reentrant checkpointing is the one torch recommends.
@@ -123,3 +124,25 @@ def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter
 
 def shapes(params: dict[str, torch.nn.Parameter]) -> dict[str, list[int]]:
     return {name: list(full_shape(p)) for name, p in params.items()}
+
+
+def mark_trained(model: torch.nn.Module, arch: Architecture, cfg: Config) -> dict[str, torch.nn.Parameter]:
+    """The one definition of what a run trains: mark it (`set_trainable`) and return it by base name.
+
+    The workers call it on the real model, the driver's pre-flight check and `bench/on_paper.py` on a
+    model built on the meta device (`meta_model`), so all three agree by construction.
+    """
+    set_trainable(model, arch, cfg)
+    return trainable_parameters(model)
+
+
+def meta_model(cfg: Config, arch: Architecture, model_config) -> peft.PeftModel:
+    """The run's model with LoRA, on the meta device: structure and shapes only, no weights, no memory."""
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(model_config)
+        return add_lora(model, cfg, arch)
+
+
+def trainable_shapes(cfg: Config, arch: Architecture, model_config) -> dict[str, list[int]]:
+    """Names and full shapes of what `cfg` trains on the model `model_config` describes (meta device)."""
+    return shapes(mark_trained(meta_model(cfg, arch, model_config), arch, cfg))

@@ -91,19 +91,13 @@ def latest_state(cfg: Config) -> tuple[str, checkpoint.TrainState] | None:
 
 def expected_trainable(cfg: Config) -> dict[str, list[int]]:
     """Trainable names and shapes this config gives, from the model's config on the meta device."""
-    import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     from raylora.arch import detect
-    from raylora.model import add_lora, set_trainable, shapes, trainable_parameters
+    from raylora.model import trainable_shapes
 
     model_dir = hub.resolve(cfg.model.path, cfg.model.revision, config_only=True)
-    arch = detect(model_dir, cfg.model.arch)
-    with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(model_dir))
-        model = add_lora(model, cfg, arch)
-    set_trainable(model, arch, cfg)
-    return shapes(trainable_parameters(model))
+    return trainable_shapes(cfg, detect(model_dir, cfg.model.arch), AutoConfig.from_pretrained(model_dir))
 
 
 def check_resume(cfg: Config) -> checkpoint.TrainState | None:

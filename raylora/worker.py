@@ -31,7 +31,7 @@ from raylora.data import GlobalSampler, ImageTextData, answer_ids, check_max_len
 from raylora.drills import maybe_kill
 from raylora.evaluate import evaluate_sharded
 from raylora.loss import answer_token_losses
-from raylora.model import build_model, set_trainable, shapes, trainable_parameters
+from raylora.model import build_model, mark_trained, shapes
 from raylora.processor import load_processor
 from raylora.progress import count_attempt
 from raylora.redact import redact
@@ -72,8 +72,7 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
     arch = detect(hub.resolve(cfg.model.path, cfg.model.revision), cfg.model.arch)
     ds_config = zero.deepspeed_config(cfg, world)
     model, zero3 = build_model(cfg, arch, ds_config)
-    set_trainable(model, arch, cfg)
-    params = trainable_parameters(model)
+    params = mark_trained(model, arch, cfg)  # PEFT froze the vision tower and aligner: re-enable them
     if restore_from is not None:
         checkpoint.check_compatible(restore_from.state, shapes(params))
         zero.partition_load(params, restore_from.weights)

@@ -86,7 +86,7 @@ def test_options_in_effect_and_saved_as_peft_saves_them(trained):
     adapter = load_file(folder / checkpoint.ADAPTER_WEIGHTS)
     trained_modules = load_file(folder / checkpoint.TRAINED_MODULES)
     base = AutoModelForImageTextToText.from_pretrained(trained["model_dir"])
-    original = base.state_dict()
+    original = {n: t.clone() for n, t in base.state_dict().items()}  # PiSSA / OLoRA rewrite it in place
     model = peft.PeftModel.from_pretrained(base, str(folder))
     loaded = {base_name(n): p.detach() for n, p in model.named_parameters()}
     saved = checkpoint.load(folder).weights

@@ -144,3 +144,24 @@ def test_incompatible_checkpoint_names_first_difference():
         checkpoint.check_compatible(state, {"a.lora_A.default.weight": [4, 8], "c.weight": [1]})
     with pytest.raises(checkpoint.CheckpointError, match="has trainable parameter b.lora_B"):
         checkpoint.check_compatible(state, {"a.lora_A.default.weight": [4, 8]})
+
+
+@pytest.mark.parametrize("frozen", ["true", "false"])
+def test_what_is_trained_has_one_definition(frozen, tiny_models, digits, tmp_path):
+    """The driver's meta-device shapes equal those of the model a worker builds and marks."""
+    from transformers import AutoModelForImageTextToText
+
+    from raylora.assets import tiny_run_config
+    from raylora.model import add_lora, mark_trained, shapes
+    from raylora.resume import expected_trainable
+
+    folder = tiny_models("qwen2_vl")
+    cfg = tiny_run_config(
+        folder, digits[0], tmp_path, "one", f"train.freeze_vision={frozen}", "train.freeze_aligner=false"
+    )
+    arch = detect(folder)
+    real = mark_trained(add_lora(AutoModelForImageTextToText.from_pretrained(folder), cfg, arch), arch, cfg)
+    assert expected_trainable(cfg) == shapes(real)
+    parts = {arch.part_of(n) for n in real if ".lora_" not in n}
+    assert parts == ({"aligner"} if frozen == "true" else {"aligner", "vision_tower"})
+    assert detect(folder) is arch  # detected once per process, then remembered

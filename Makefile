@@ -36,6 +36,7 @@ bench: install
 	$(PY) bench/recovery.py
 	$(PY) bench/scale.py
 	$(PY) bench/on_paper.py
+	$(PY) bench/memory.py
 
 lint: install
 	$(VENV)/bin/ruff check raylora tests bench jobs

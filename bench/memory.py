@@ -165,6 +165,8 @@ def main() -> None:
                 "controls_on": sorted(on),
                 "peak_rss_mb": common.summary([r["peak_rss_mb"] for r in ranks]),
                 "step_peak_mb": common.summary(step_peaks),
+                # the ranks train on different samples: the one with the longest ones sets what must fit
+                "largest_rank_step_peak_mb": max(step_peaks),
                 "rss_before_mb": common.summary([r["rss_before_mb"] for r in ranks]),
                 "too_long_samples": ranks[0]["too_long"],
                 "loss": ranks[0]["loss"],
@@ -172,8 +174,8 @@ def main() -> None:
                 **sample_lengths(model_dir, train_file, MAX_PIXELS if "max_pixels" in on else None),
             }
             print(name, json.dumps(rows[name]["step_peak_mb"]))
-    off = rows["all off"]["step_peak_mb"]["median"]
-    lowered = {name: row["step_peak_mb"]["median"] < off for name, row in rows.items() if name != "all off"}
+    off = rows["all off"]["largest_rank_step_peak_mb"]
+    lowered = {n: row["largest_rank_step_peak_mb"] < off for n, row in rows.items() if n != "all off"}
     common.write_result(
         args,
         "memory",
@@ -188,12 +190,13 @@ def main() -> None:
                 "measured_steps": steps,
                 "max_pixels_when_on": MAX_PIXELS,
                 "max_length_when_on": max_length,
-                "figures": "per rank (median and both ranks' samples), MB; step_peak = VmHWM during the "
-                "measured steps minus VmRSS before them",
+                "figures": "MB per rank (both ranks' samples, their median, and the largest); step_peak = "
+                "VmHWM during the measured steps minus VmRSS before them",
             },
             "configurations": rows,
             "goal": {
-                "text": "each control, and all of them together, lowers the step's peak memory below all off",
+                "text": "each control, and all of them together, lowers the largest rank's step peak below "
+                "all off",
                 "lowered": lowered,
                 "met": all(lowered.values()),
             },

@@ -156,6 +156,184 @@ def _numel(shape) -> int:
     return n
 
 
+# ------------------------------------------------------------------------------ memory per GPU
+
+GB = 1e9
+CARDS_GB = (40, 80)
+JOBS = {"llava-1.5-7b": "llava-1.5-7b.yaml", "Qwen2-VL-7B-Instruct": "qwen2-vl-7b.yaml"}
+ANSWER_TOKENS = 256  # assumed answer length per sample, for the logits raylora computes
+RUNTIME_OVERHEAD_GB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: not computed, allowed for
+QWEN2_VL_7B_MAX_PIXELS = 12845056  # Qwen2-VL-7B-Instruct's preprocessor_config.json: 16384 image tokens
+
+
+def decoder_layer_bytes(h: int, i: int, kv: int) -> dict:
+    """Activation bytes one decoder layer (RMSNorm, attention, SwiGLU MLP: Llama, Qwen2) keeps per token
+    for the backward pass: bf16, frozen base weights (a frozen linear keeps nothing for its own backward),
+    LoRA with dropout on all seven linear layers, fused attention (sdpa or flash: no seq x seq scores)."""
+    terms = {
+        "attention RMSNorm: its fp32 input copy (4h)": 4 * h,
+        "q, k, v LoRA dropout: output (2h) + 1-byte mask (h), each (3 x 3h)": 9 * h,
+        "attention kernel inputs q, k, v after RoPE (2h + 2kv + 2kv)": 2 * h + 4 * kv,
+        "attention output (2h)": 2 * h,
+        "o_proj LoRA dropout (3h)": 3 * h,
+        "MLP RMSNorm: fp32 input copy (4h)": 4 * h,
+        "gate, up LoRA dropout (2 x 3h)": 6 * h,
+        "gate output, SiLU(gate), up output (3 x 2i)": 6 * i,
+        "down_proj LoRA dropout (3i)": 3 * i,
+    }
+    return {
+        "formula": "30h + 4kv + 9i",
+        "h": h,
+        "i": i,
+        "kv": kv,
+        "terms": terms,
+        "bytes": sum(terms.values()),
+    }
+
+
+def vit_block_bytes(d: int, m: int, trained: bool) -> dict:
+    """Activation bytes one vision transformer block (LayerNorm, attention, GELU MLP) keeps per patch, bf16.
+
+    Trained: every linear keeps its input for its weight's gradient. Frozen: only what the input's
+    gradient needs, which PEFT's `enable_input_require_grads` (on with gradient checkpointing) asks for.
+    """
+    if trained:
+        terms = {
+            "LayerNorm 1 input + output = qkv input (2d + 2d)": 4 * d,
+            "q, k, v for the attention kernel (6d)": 6 * d,
+            "attention output = proj input (2d)": 2 * d,
+            "LayerNorm 2 input + output = fc1 input (2d + 2d)": 4 * d,
+            "fc1 output = GELU input, GELU output = fc2 input (2m + 2m)": 4 * m,
+        }
+        formula = "16d + 4m"
+    else:
+        terms = {
+            "LayerNorm 1 and 2 inputs (2d + 2d)": 4 * d,
+            "q, k, v and attention output (6d + 2d)": 8 * d,
+            "GELU input (2m)": 2 * m,
+        }
+        formula = "12d + 2m"
+    return {"formula": formula, "d": d, "m": m, "terms": terms, "bytes": sum(terms.values())}
+
+
+def zero3_shares(model_config, arch_name: str, cfg) -> dict:
+    """Bytes per GPU of ZeRO-3's parameter, gradient and optimizer partitions for run config `cfg`."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from raylora.arch import REGISTRY
+    from raylora.model import add_lora, set_trainable, trainable_parameters
+
+    arch, world = REGISTRY[arch_name], cfg.world_size
+    with torch.device("meta"):
+        model = add_lora(AutoModelForImageTextToText.from_config(model_config), cfg, arch)
+    set_trainable(model, arch, cfg)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in trainable_parameters(model).values())
+    persistent = sum(
+        p.numel() for p in model.parameters() if p.numel() < cfg.train.param_persistence_threshold
+    )
+    live, bucket = 10**9, 5 * 10**8  # DeepSpeed 0.19's stage3_max_live_parameters, reduce_bucket_size
+    shares = {
+        f"bf16 parameters, 1/{world} partition (2 x {total:,} / {world})": 2 * total / world,
+        f"parameters under the persistence threshold, whole (2 x {persistent:,})": 2 * persistent,
+        f"gathered parameters, at most stage3_max_live_parameters (2 x {live:,})": 2 * min(live, total),
+        f"fp32 masters + Adam moments, 1/{world} (12 x {trainable:,} / {world})": 12 * trainable / world,
+        f"fp32 gradient partition (4 x {trainable:,} / {world})": 4 * trainable / world,
+        f"fp32 reduce bucket, at most reduce_bucket_size (4 x min({bucket:,}, trainable))": 4
+        * min(bucket, trainable),
+    }
+    return {"params": total, "trainable_params": trainable, "world_size": world, "bytes": shares}
+
+
+def stack_bytes(per_item: int, width: int, layers: int, items: int, gc: bool) -> int:
+    """Bytes a stack of `layers` layers keeps for `items` tokens (or patches): every layer's activations,
+    or with checkpointing each layer's bf16 input (2 x width) plus one layer's activations at a time,
+    recomputed in the backward pass."""
+    return (layers * 2 * width + per_item) * items if gc else layers * per_item * items
+
+
+def memory_per_gpu(name: str, model_config, arch_name: str) -> dict:
+    """Activation memory and ZeRO-3 shares per GPU of the shipped job config, against 40 and 80 GB cards.
+
+    A micro batch of train.micro_batch_size samples, each data.max_length tokens long (the worst case) with
+    one image; Llava's image is 576 tokens (577 patches with CLS), Qwen2-VL's data.max_pixels / 28^2 tokens
+    (4 patches each).
+    """
+    from raylora import config as cfgmod
+
+    cfg = cfgmod.load(common.ROOT / "jobs" / JOBS[name])
+    text, vision = model_config.text_config, model_config.vision_config
+    h, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
+    kv = text.num_key_value_heads * (h // text.num_attention_heads)
+    lm = decoder_layer_bytes(h, text.intermediate_size, kv)
+    if arch_name == "llava":
+        d, m, depth = vision.hidden_size, vision.intermediate_size, vision.num_hidden_layers
+        tokens_per_image = {"shipped": (vision.image_size // vision.patch_size) ** 2}
+        patches_per_token, extra_patches = 1, 1  # CLS
+    else:
+        d, m, depth = vision.embed_dim, vision.embed_dim * vision.mlp_ratio, vision.depth
+        pixels_per_token = (vision.patch_size * vision.spatial_merge_size) ** 2
+        tokens_per_image = {
+            "shipped": cfg.data.max_pixels // pixels_per_token,
+            "unset": QWEN2_VL_7B_MAX_PIXELS // pixels_per_token,
+        }
+        patches_per_token, extra_patches = vision.spatial_merge_size**2, 0
+    vit = vit_block_bytes(d, m, trained=not cfg.train.freeze_vision)
+    shares = zero3_shares(model_config, arch_name, cfg)
+    b, s = cfg.train.micro_batch_size, cfg.data.max_length
+    scenarios = {  # name: (gradient checkpointing, image tokens, sample tokens)
+        "shipped": (cfg.gradient_checkpointing, tokens_per_image["shipped"], s),
+        "gradient_checkpointing off": (False, tokens_per_image["shipped"], s),
+    }
+    if "unset" in tokens_per_image:  # the model's own cap: one 16384-token image plus 512 tokens of text
+        unset = tokens_per_image["unset"]
+        scenarios["max_pixels and max_length unset"] = (cfg.gradient_checkpointing, unset, unset + 512)
+    rows = {}
+    for label, (gc, image_tokens, sample_tokens) in scenarios.items():
+        tokens, patches = b * sample_tokens, b * (image_tokens * patches_per_token + extra_patches)
+        # a frozen vision tower keeps activations only when PEFT asks for input gradients (checkpointing)
+        vision_kept = gc or not cfg.train.freeze_vision
+        lm_bytes = stack_bytes(lm["bytes"], h, layers, tokens, gc)
+        vision_bytes = stack_bytes(vit["bytes"], d, depth, patches, gc) if vision_kept else 0
+        # bf16 logits (2) + their fp32 copy (4) + the fp32 cross-entropy gradient (4)
+        logits_bytes = b * ANSWER_TOKENS * vocab * 10
+        act = {
+            f"language model: {layers} layers, {tokens:,} tokens": lm_bytes,
+            f"vision tower: {depth} blocks, {patches:,} patches": vision_bytes,
+            f"answer logits: {b} x {ANSWER_TOKENS} answer tokens x {vocab:,} x 10 B": logits_bytes,
+        }
+        total = sum(act.values()) + sum(shares["bytes"].values()) + RUNTIME_OVERHEAD_GB * GB
+        rows[label] = {
+            "gradient_checkpointing": gc,
+            "micro_batch": b,
+            "sample_tokens": sample_tokens,
+            "image_tokens": image_tokens,
+            "activation_bytes": act,
+            "activations_gb": sum(act.values()) / GB,
+            "logits_of_every_position_would_be_gb": tokens * vocab * 10 / GB,
+            "total_gb": total / GB,
+            "fits": {f"{c} GB": total <= c * GB for c in CARDS_GB},
+        }
+    return {
+        "model": name,
+        "job": f"jobs/{JOBS[name]}",
+        "decoder_layer_bytes_per_token": lm,
+        "vision_block_bytes_per_patch": vit,
+        "zero3_shares": shares,
+        "zero3_shares_gb": sum(shares["bytes"].values()) / GB,
+        "runtime_overhead_gb_allowed": RUNTIME_OVERHEAD_GB,
+        "scenarios": rows,
+        "assumptions": [
+            "every sample data.max_length tokens long with one image (the worst case the config allows)",
+            f"{ANSWER_TOKENS} answer tokens per sample for the logits raylora computes (answer positions)",
+            "left out: the aligner's activations (under 1% here), attention kernel workspaces, the CUDA "
+            f"context and allocator fragmentation (the {RUNTIME_OVERHEAD_GB:g} GB allowance)",
+            "gathered parameters and the reduce bucket are DeepSpeed's upper bounds, not typical use",
+        ],
+    }
+
+
 def main() -> None:
     args = common.parser(__doc__).parse_args()
     start = time.perf_counter()
@@ -166,6 +344,7 @@ def main() -> None:
     for name, (build, arch) in models.items():
         for trained in (False, True):
             rows.append({"model": name, **count(build(), arch, trained)})
+    memory = [memory_per_gpu(name, build(), arch) for name, (build, arch) in models.items()]
     common.write_result(
         args,
         "on_paper",
@@ -177,6 +356,7 @@ def main() -> None:
                 "seconds": time.perf_counter() - start,
             },
             "models": rows,
+            "memory_per_gpu": memory,
             "assumptions": [
                 "raylora: 12 bytes per trainable parameter (fp32 master + Adam exp_avg + exp_avg_sq) plus "
                 "the safetensors headers (computed exactly from the names and shapes) and about 8 KB + the "

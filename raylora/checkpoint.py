@@ -11,7 +11,12 @@ so it restores on any number of workers:
     manifest.json               size and sha256 of every file above; written last
 
 That is 12 bytes per trainable parameter (weight + two moments) plus small files. Only safetensors
-and JSON are read back: nothing is unpickled.
+and JSON are read back: nothing is unpickled. This module is the only one that opens these files:
+resume, export, eval, inspect and the demo read them through the functions below.
+
+`FORMAT_VERSION` is written into state.json and the manifest. Format 2 made the architecture and the
+base model's fingerprint typed fields of the state (format 1 kept them in `extra`) and added the data
+set's row count; format 1 still reads. A newer format than this raylora's is refused, naming both.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -32,12 +40,25 @@ TRAINED_MODULES = "trained_modules.safetensors"
 OPTIMIZER = "optimizer.safetensors"
 STATE = "state.json"
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 PEFT_PREFIX = "base_model.model."
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used: damaged, incomplete, or made for another model."""
+
+
+class NewerFormatError(CheckpointError):
+    """A checkpoint written in a newer format than this raylora reads: not damage, so never skipped."""
+
+
+def check_format(found: Any, where: str | Path) -> None:
+    """Refuse a checkpoint whose format is newer than `FORMAT_VERSION`, naming both versions."""
+    if isinstance(found, int) and found > FORMAT_VERSION:
+        raise NewerFormatError(
+            f"{where}: checkpoint format {found} was written by a newer raylora; this raylora reads "
+            f"format {FORMAT_VERSION} and older (upgrade raylora to resume, export or inspect it)"
+        )
 
 
 @dataclass
@@ -62,15 +83,87 @@ class TrainState:
     """raylora, torch, deepspeed, transformers and peft versions that wrote it."""
     restarts: int = 0
     """How many times the run's worker group had restarted when this was saved."""
+    arch: str = ""
+    """The architecture's registry name (config.json's model_type); empty in checkpoints that lack it."""
+    base_model: dict[str, Any] = field(default_factory=dict)
+    """The base model's fingerprint (`resume.base_model_fingerprint`): resuming on others is refused."""
+    data_rows: int | None = None
+    """Rows of data.train, bad rows included: the driver compares it with the Parquet file's metadata
+    on resume, without reading the data."""
     format: int = FORMAT_VERSION
+    """The checkpoint format (`FORMAT_VERSION` of the raylora that wrote it)."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """Anything else, untyped."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainState:
+        data = dict(data)
+        if data.get("format", 1) < 2:  # format 1 kept the architecture and fingerprint in `extra`
+            extra = dict(data.get("extra", {}))
+            data.setdefault("arch", extra.pop("arch", "") or "")
+            data.setdefault("base_model", extra.pop("base_model", {}) or {})
+            data["extra"] = extra
         return cls(**data)
+
+
+def _parse_state(text: str | bytes, where: str | Path) -> TrainState:
+    try:
+        data = json.loads(text)
+        check_format(data.get("format"), where)
+        return TrainState.from_dict(data)
+    except (ValueError, TypeError, AttributeError) as err:
+        raise CheckpointError(f"{where}: file {STATE} does not parse: {err}") from err
+
+
+def read_state(folder: str | Path, filesystem: Any = None) -> TrainState:
+    """A checkpoint's TrainState, without checking the manifest (`verify` does that).
+
+    `filesystem`: a pyarrow filesystem that `folder` is a path of (a run's storage); unset: local.
+    Raises `CheckpointError` when state.json is missing or does not parse, `NewerFormatError` when
+    it was written in a newer format.
+    """
+    try:
+        if filesystem is None:
+            text = (Path(folder) / STATE).read_bytes()
+        else:
+            with filesystem.open_input_stream(posixpath.join(str(folder), STATE)) as f:
+                text = f.read()
+    except OSError as err:
+        raise CheckpointError(f"{folder}: {STATE} missing or unreadable ({err})") from err
+    return _parse_state(text, folder)
+
+
+def read_adapter_config(folder: str | Path) -> dict[str, Any]:
+    """PEFT's adapter config of a checkpoint as plain data; `CheckpointError` if unreadable."""
+    try:
+        return json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{folder}: {ADAPTER_CONFIG} unreadable: {err}") from err
+
+
+def read_trained_modules(folder: str | Path) -> dict[str, torch.Tensor]:
+    """The trained vision tower / aligner weights (fp32), by full parameter name; empty when none."""
+    return load_file(Path(folder) / TRAINED_MODULES)
+
+
+def trained_module_names(folder: str | Path) -> list[str]:
+    """The names in trained_modules.safetensors, read from its header only."""
+    with safe_open(Path(folder) / TRAINED_MODULES, framework="pt") as f:
+        return list(f.keys())
+
+
+def copy_adapter(folder: str | Path, out: str | Path) -> list[str]:
+    """Copy what makes a PEFT adapter folder (config and weights, plus the trained vision tower /
+    aligner weights when there are any) from checkpoint `folder` into `out`; returns the file names."""
+    names = [ADAPTER_CONFIG, ADAPTER_WEIGHTS]
+    if trained_module_names(folder):
+        names.append(TRAINED_MODULES)
+    for name in names:
+        shutil.copyfile(Path(folder) / name, Path(out) / name)
+    return names
 
 
 def versions() -> dict[str, str]:
@@ -140,6 +233,15 @@ def save(
     os.replace(tmp, folder / MANIFEST)
 
 
+def is_complete(folder: str, filesystem: Any) -> bool:
+    """Whether a checkpoint folder of a run's storage has its manifest (written last, so an upload cut
+    short has none); says nothing about whether the files match it."""
+    import pyarrow.fs
+
+    path = posixpath.join(folder, MANIFEST)
+    return filesystem.get_file_info(path).type == pyarrow.fs.FileType.File
+
+
 def verify(folder: str | Path) -> dict[str, Any]:
     """Check every file against the manifest; raise `CheckpointError` naming the folder and file."""
     folder = Path(folder)
@@ -150,6 +252,7 @@ def verify(folder: str | Path) -> dict[str, Any]:
         raise CheckpointError(
             f"{folder}: {MANIFEST} missing or unreadable ({err}); checkpoint incomplete"
         ) from err
+    check_format(manifest.get("format"), folder)
     for name, entry in entries.items():
         path = folder / name
         if not path.is_file():
@@ -179,10 +282,7 @@ def load(folder: str | Path) -> Loaded:
     """Verify and read a checkpoint written by `save` (safetensors and JSON only)."""
     folder = Path(folder)
     verify(folder)
-    try:
-        state = TrainState.from_dict(json.loads((folder / STATE).read_text()))
-    except (ValueError, TypeError) as err:
-        raise CheckpointError(f"{folder}: file {STATE} does not parse: {err}") from err
+    state = _parse_state((folder / STATE).read_bytes(), folder)
     lora_by_key = {adapter_key(n): n for n in state.trainable if is_adapter(n)}
     weights = {}
     for key, tensor in load_file(folder / ADAPTER_WEIGHTS).items():

@@ -15,11 +15,12 @@ def _train(args) -> int:
 
     from raylora import config
     from raylora.driver import run
+    from raylora.failures import PermanentError
 
-    cfg = config.load(args.config, args.overrides)
+    cfg = config.load(args.config, [*args.overrides, *(["run.verbose=true"] if args.verbose else [])])
     try:
         result = run(cfg)
-    except ray.train.TrainingFailedError as err:
+    except (ray.train.TrainingFailedError, PermanentError) as err:
         print(f"raylora: run failed: {err}", file=sys.stderr)
         return 1
     print(
@@ -125,6 +126,11 @@ def parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a YAML config (uses RAY_ADDRESS when set)")
     t.add_argument("config", help="YAML config file")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.lr=1e-4")
+    t.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also print Ray's, DeepSpeed's and transformers' lines (run.verbose)",
+    )
     t.set_defaults(fn=_train)
     tu = sub.add_parser("tune", help="a Ray Tune sweep of raylora runs; --resume finishes an interrupted one")
     tu.add_argument("config", help="base YAML config; each trial's run name is run.name plus its trial id")

@@ -51,8 +51,8 @@ class LoraConfig:
     use_rslora: bool = False
     """Rank-stabilised LoRA: scale the update by alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."""
     init: bool | str = True
-    """LoRA initialisation (PEFT's init_lora_weights): true, false, gaussian or orthogonal. The others
-    (pissa, olora, corda, lora_ga, loftq, eva, mica) rewrite the base weights or need a data pass: refused."""
+    """LoRA initialisation (PEFT's init_lora_weights): true, false, gaussian, orthogonal, pissa or olora; the
+    others are refused, with the reason (README: PEFT options)."""
     modules_to_save: list[str] | None = None
     """Modules trained fully and saved in the adapter under PEFT's keys (PEFT's modules_to_save, e.g.
     [lm_head]); each name must match a module, as PEFT matches them (by name or name suffix)."""
@@ -141,8 +141,13 @@ class RunConfig:
     """Checkpoints kept in storage (the newest ones)."""
     tensorboard: bool = False
     """Also write the metrics as TensorBoard scalars into the run folder's `tensorboard/` (local storage)."""
+    verbose: bool = False
+    """Print Ray Train's, DeepSpeed's and transformers' own log lines and warnings beside raylora's."""
     mlflow_tracking_uri: str | None = None
     """Also log the metrics and config to this MLflow tracking URI (a server, or sqlite:///path/mlflow.db)."""
+    wandb_project: str | None = None
+    """Also log the metrics and config to this Weights & Biases project (`pip install -e '.[wandb]'`;
+    the driver's WANDB_* variables, e.g. WANDB_MODE=offline, apply)."""
 
 
 @dataclass
@@ -153,6 +158,11 @@ class FaultConfig:
     """Fault drill: the rank that kills itself."""
     kill_checkpoint_steps: list[int] = field(default_factory=list)
     """Fault drill: the rank kills itself while writing the checkpoint of each of these steps, once."""
+    read_errors: int = 0
+    """Fault drill: this many of fault.read_error_rank's checkpoint reads in the run fail with a transient
+    storage error (OSError) before one succeeds; each retry is a read."""
+    read_error_rank: int = 1
+    """Fault drill: the rank whose checkpoint reads fail (fault.read_errors)."""
 
 
 @dataclass
@@ -305,11 +315,18 @@ def load(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     return cfg
 
 
-LORA_INITS = (True, False, "gaussian", "orthogonal", "pissa", "pissa_niter_<n>", "olora")
-"""`lora.init` values that work under ZeRO-3 with raylora (PEFT's init_lora_weights)."""
+LORA_INITS = (True, False, "gaussian", "orthogonal", "pissa", "olora")
+"""`lora.init` values that work under ZeRO-3 with raylora (PEFT's init_lora_weights). PiSSA and OLoRA move
+part of each adapted base weight into the adapter (W - scale * B0 A0) on every worker at every start;
+PEFT redoes the same exact SVD / QR when it loads the adapter, so export and eval see that base too."""
 
 # Why each other PEFT `init_lora_weights` value is refused.
 REFUSED_LORA_INITS = {
+    "pissa_niter_<n>": (
+        "draws a random sketch for its fast SVD and moves the result out of the base weights; PEFT draws "
+        "another when it loads the adapter, so export and eval would rebuild another base than the one "
+        "the adapter was trained against (lora.init=pissa, the exact SVD, is accepted)"
+    ),
     "corda": (
         "needs PEFT's preprocess_corda data pass before wrapping, which raylora does not run; and it moves "
         "part of each base weight into the adapter in a way that loading the adapter cannot redo without "
@@ -324,20 +341,15 @@ REFUSED_LORA_INITS = {
         "run (without it PEFT leaves a plain init under another name)"
     ),
     "loftq": (
-        "initialises against a quantised base model (loftq_config, 4-bit weights), and raylora loads the base "
-        "model unquantised and ZeRO-3-partitioned"
+        "is made for a base model loaded quantised (bitsandbytes 4-bit, with loftq_config), which raylora "
+        "does not do under ZeRO-3; on a full-precision base it only replaces the base weights by their "
+        "quantised values"
     ),
     "mica": (
         "freezes lora_B at the base weight's singular vectors, but raylora trains and checkpoints every "
         "adapter tensor, so it would train lora_B too"
     ),
 }
-
-
-def _accepted_init(init: bool | str) -> bool:
-    if isinstance(init, str) and init.startswith("pissa_niter_"):  # PiSSA with a fast SVD of n iterations
-        return init.removeprefix("pissa_niter_").isdigit()
-    return init in LORA_INITS
 
 
 def validate(cfg: Config) -> None:
@@ -357,8 +369,9 @@ def validate(cfg: Config) -> None:
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
     init = cfg.lora.init
-    if not _accepted_init(init):
-        why = REFUSED_LORA_INITS.get(init) if isinstance(init, str) else None
+    if init not in LORA_INITS:
+        family = "pissa_niter_<n>" if str(init).startswith("pissa_niter_") else init
+        why = REFUSED_LORA_INITS.get(family) if isinstance(init, str) else None
         accepted = ", ".join(str(v).lower() for v in LORA_INITS)
         raise ConfigError(
             f"lora.init={init} cannot be used under ZeRO-3 with raylora: it {why}; accepted: {accepted}"
@@ -393,6 +406,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.eval_every must be positive and needs data.eval")
     if t.precision not in (None, "bf16", "fp32"):
         raise ConfigError(f"train.precision must be bf16 or fp32, got {t.precision!r}")
+    drill = cfg.fault
+    if drill.read_errors < 0 or (drill.read_errors and not 0 <= drill.read_error_rank < cfg.world_sizes[0]):
+        raise ConfigError(
+            f"fault.read_errors ({drill.read_errors}) must not be negative, and fault.read_error_rank "
+            f"({drill.read_error_rank}) must be a rank of {cfg.world_sizes[0]} workers"
+        )
     if cfg.data.on_bad_row not in ("skip", "error"):
         raise ConfigError(f"data.on_bad_row must be skip or error, got {cfg.data.on_bad_row!r}")
     _validate_memory(cfg)

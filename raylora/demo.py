@@ -73,16 +73,16 @@ def demo(
     if result.error:
         raise result.error
     with result.checkpoint.as_directory() as folder:
-        state = json.loads((Path(folder) / checkpoint.STATE).read_text())
+        state = checkpoint.read_state(folder)
         ckpt_bytes = sum(f.stat().st_size for f in Path(folder).iterdir() if f.is_file())
         model, processor = load_for_inference(folder, str(model_dir))
     scores = evaluate(model, processor, str(eval_file))
-    trainable = sum(math.prod(shape) for shape in state["trainable"].values())
+    trainable = sum(math.prod(shape) for shape in state.trainable.values())
     base_bytes = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
     summary = {
         "arch": arch,
-        "steps": state["step"],
-        "restarts": state["restarts"],
+        "steps": state.step,
+        "restarts": state.restarts,
         "final_loss": result.metrics.get("loss"),
         "eval_accuracy": scores["accuracy"],
         "eval_loss": scores["loss"],

@@ -1,8 +1,11 @@
-"""Fault drills: a worker that kills its own process at a chosen step, for demos and tests.
+"""Fault drills: a worker that kills its own process at a chosen step, or whose checkpoint reads fail,
+for demos and tests.
 
 `fault.kill_at_steps` kills before those steps, `fault.kill_checkpoint_steps` while writing those
 steps' checkpoints (after the files are written, before Ray has them). A marker file in the run
 folder remembers each drill that fired, so the resumed run, which trains that step again, goes on.
+`fault.read_errors` makes the first reads of a checkpoint by `fault.read_error_rank` fail as a storage
+network error would (a transient `OSError`), counted in a marker file too.
 """
 
 from __future__ import annotations
@@ -41,3 +44,23 @@ def maybe_kill(cfg: Config, step: int, rank: int, while_checkpointing: bool = Fa
     where = "while writing the checkpoint of" if while_checkpointing else "before"
     log.warning("fault drill: rank %d kills itself %s step %d", rank, where, step)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_read_error(cfg: Config, rank: int, path: str) -> None:
+    """Fault drill: the first `fault.read_errors` checkpoint reads of `fault.read_error_rank` in the run
+    raise a transient `OSError` (read before each try, so a retry counts as another read)."""
+    f = cfg.fault
+    if not f.read_errors or rank != f.read_error_rank:
+        return
+    fs, folder = run_folder(storage_path(cfg), cfg.run.name)
+    marker = posixpath.join(folder, ".raylora-drill-read-errors")
+    fired = 0
+    if fs.get_file_info(marker).type == pyarrow.fs.FileType.File:
+        with fs.open_input_stream(marker) as inp:
+            fired = int(inp.read().decode() or 0)
+    if fired >= f.read_errors:
+        return
+    with fs.open_output_stream(marker) as out:
+        out.write(f"{fired + 1}".encode())
+    log.warning("fault drill: rank %d fails to read %s (%d of %d)", rank, path, fired + 1, f.read_errors)
+    raise OSError(f"fault drill: transient read error on {path} ({fired + 1} of {f.read_errors})")

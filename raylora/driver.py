@@ -16,8 +16,9 @@ from raylora import hub
 from raylora.arch import Architecture, detect
 from raylora.config import Config, ConfigError, storage_path
 from raylora.data import ImageTextData, check_parquet
+from raylora.failures import EndOnPermanentError, PermanentError
 from raylora.processor import check_image_caps
-from raylora.progress import MetricsLog, MlflowLog, TensorBoardLog
+from raylora.progress import MetricsLog, MlflowLog, TensorBoardLog, WandbLog
 from raylora.redact import redact
 from raylora.resume import check_resume, expected_trainable
 from raylora.worker import train_loop_per_worker
@@ -62,14 +63,16 @@ def preflight(cfg: Config) -> Architecture:
 
 
 def metric_callbacks(cfg: Config) -> list:
-    """Where the per-step metrics go: the run folder's log always, TensorBoard and MLflow when asked."""
+    """Where the per-step metrics go: the run folder's log always; TensorBoard, MLflow, W&B when asked."""
     callbacks = [MetricsLog(storage_path(cfg), cfg.run.name)]
     if cfg.run.tensorboard:
         root = storage_path(cfg) if "://" not in storage_path(cfg) else os.path.abspath("runs")
         callbacks.append(TensorBoardLog(os.path.join(root, cfg.run.name, "tensorboard")))
+    params = {f"{s}.{k}": v for s, sec in redact(cfg.to_dict()).items() for k, v in sec.items()}
     if cfg.run.mlflow_tracking_uri:
-        params = {f"{s}.{k}": v for s, sec in redact(cfg.to_dict()).items() for k, v in sec.items()}
         callbacks.append(MlflowLog(cfg.run.mlflow_tracking_uri, cfg.run.name, params))
+    if cfg.run.wandb_project:
+        callbacks.append(WandbLog(cfg.run.wandb_project, cfg.run.name, params))
     return callbacks
 
 
@@ -93,7 +96,8 @@ def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
             storage_path=storage_path(cfg),
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
-            callbacks=[*metric_callbacks(cfg), *(callbacks or [])],
+            # last, so that the metrics callbacks still see the error that ends the run
+            callbacks=[*metric_callbacks(cfg), *(callbacks or []), EndOnPermanentError()],
         ),
     )
 
@@ -119,7 +123,8 @@ def init_ray(num_cpus: int | None = None) -> None:
 def run(cfg: Config, callbacks: list | None = None) -> ray.train.Result:
     """Validate, connect to (or start) Ray, train. Uses the cluster in RAY_ADDRESS when set.
 
-    Raises `ray.train.TrainingFailedError` when the run fails for good.
+    Raises `ray.train.TrainingFailedError` when the run fails for good, or `failures.PermanentError`
+    after one attempt when a worker's start failed in a way that every attempt would repeat.
     """
     preflight(cfg)
     init_ray()
@@ -128,6 +133,8 @@ def run(cfg: Config, callbacks: list | None = None) -> ray.train.Result:
         try:
             return make_trainer(cfg, callbacks).fit()
         except ray.train.ControllerError as err:
+            if isinstance(getattr(err, "controller_failure", None), PermanentError):
+                raise err.controller_failure from None  # the worker's own message, not Ray's wrapping
             # Ray Train 2.60 retries a worker that dies while training, but not one that dies in the
             # moment its training function is being launched: that surfaces as a non-retryable
             # controller error. The run's checkpoints are intact, so start it again under the same

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from peft import PeftModel
-from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint, hub
@@ -20,18 +18,18 @@ def load_for_inference(folder: str | Path, model_path: str | None = None):
     """(model, processor) from a raylora checkpoint: `PeftModel.from_pretrained` plus trained modules."""
     folder = Path(folder)
     checkpoint.verify(folder)
-    state = json.loads((folder / checkpoint.STATE).read_text())
-    trained_on = state["config"]["model"]
+    state = checkpoint.read_state(folder)
+    trained_on = state.config["model"]
     model_path = model_path or hub.resolve(trained_on["path"], trained_on.get("revision"))
     base = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(folder))
-    trained = load_file(folder / checkpoint.TRAINED_MODULES)
+    trained = checkpoint.read_trained_modules(folder)
     if trained:
         missing, unexpected = model.base_model.model.load_state_dict(trained, strict=False)
         if unexpected:
             raise checkpoint.CheckpointError(f"{folder}: trained modules not in the model: {unexpected[:3]}")
     model.eval()
-    data = state["config"].get("data", {})  # the resolution the adapter was trained at
+    data = state.config.get("data", {})  # the resolution the adapter was trained at
     return model, load_processor(model_path, data.get("max_pixels"), data.get("min_pixels"))
 
 

@@ -13,13 +13,11 @@ so a failed export never leaves a folder that looks complete.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from raylora import checkpoint, hub
 from raylora.config import ConfigError
@@ -30,8 +28,8 @@ def verified_state(folder: str | Path) -> checkpoint.TrainState:
     folder = Path(folder)
     try:
         checkpoint.verify(folder)
-        return checkpoint.TrainState.from_dict(json.loads((folder / checkpoint.STATE).read_text()))
-    except (checkpoint.CheckpointError, OSError, ValueError, TypeError) as err:
+        return checkpoint.read_state(folder)
+    except checkpoint.CheckpointError as err:
         raise ConfigError(f"not a usable raylora checkpoint: {err}") from err
 
 
@@ -46,20 +44,6 @@ def base_model_path(state: checkpoint.TrainState, model_path: str | None = None)
     if not (Path(folder) / "config.json").is_file():
         raise ConfigError(f"base model folder {folder} has no config.json; pass --model PATH")
     return folder
-
-
-def has_trained_modules(folder: str | Path) -> bool:
-    """Whether the checkpoint trained any vision tower / aligner weights (beside LoRA)."""
-    with safe_open(Path(folder) / checkpoint.TRAINED_MODULES, framework="pt") as f:
-        return len(list(f.keys())) > 0
-
-
-def _write_adapter(folder: Path, out: Path) -> None:
-    names = [checkpoint.ADAPTER_CONFIG, checkpoint.ADAPTER_WEIGHTS]
-    if has_trained_modules(folder):
-        names.append(checkpoint.TRAINED_MODULES)
-    for name in names:
-        shutil.copyfile(folder / name, out / name)
 
 
 def _write_merged(folder: Path, out: Path, model_path: str) -> None:
@@ -97,7 +81,7 @@ def export(folder: str | Path, out: str | Path, merge: bool = False, model_path:
         if merge:
             _write_merged(folder, partial, model_path)
         else:
-            _write_adapter(folder, partial)
+            checkpoint.copy_adapter(folder, partial)
         if out.exists():
             out.rmdir()  # empty, checked above; rename cannot replace a folder portably
         partial.rename(out)

@@ -73,16 +73,16 @@ def inspect_checkpoint(folder: str | Path) -> dict[str, Any]:
     except checkpoint.CheckpointError as err:
         report["manifest"] = {"ok": False, "error": str(err)}
     try:
-        state = checkpoint.TrainState.from_dict(json.loads((folder / checkpoint.STATE).read_text()))
-    except (OSError, ValueError, TypeError) as err:
+        state = checkpoint.read_state(folder)
+    except checkpoint.CheckpointError as err:
         report["state_error"] = f"{checkpoint.STATE} unreadable: {err}"
         return report
     try:
-        lora = json.loads((folder / checkpoint.ADAPTER_CONFIG).read_text())
+        lora = checkpoint.read_adapter_config(folder)
         report["lora"] = {k: lora.get(k) for k in ("r", "lora_alpha", "lora_dropout", "target_modules")}
-    except (OSError, ValueError) as err:
-        report["lora"] = {"error": f"{checkpoint.ADAPTER_CONFIG} unreadable: {err}"}
-    arch = state.config.get("model", {}).get("arch")
+    except checkpoint.CheckpointError as err:
+        report["lora"] = {"error": str(err)}
+    arch = state.arch or state.config.get("model", {}).get("arch")
     report.update(
         step=state.step,
         epoch=state.epoch,

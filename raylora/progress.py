@@ -10,8 +10,10 @@ again, each row carrying the `restarts` count it was trained under.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
+import os
 import posixpath
 import time
 
@@ -177,3 +179,48 @@ class MlflowLog(UserCallback):
         row, stamp = metrics[0], int(time.time() * 1000)
         batch = [Metric(k, v, stamp, int(row["step"])) for k, v in _scalars(row).items()]
         self._client().log_batch(self._ensure_run(), metrics=batch)
+
+
+class WandbLog(UserCallback):
+    """Rank 0's metrics to Weights & Biases through its own client.
+
+    One W&B run per raylora run, its id derived from the run name, so a resumed raylora run goes on
+    logging into the same W&B run. raylora's `step` is the x axis (`define_metric`), not W&B's own
+    step counter, which must only grow: after a restart the redone steps are logged again, as in
+    `raylora_metrics.jsonl`. The driver's `WANDB_*` settings (mode, API key, folder) travel with the
+    callback, because it runs in Ray Train's controller, another process.
+    """
+
+    def __init__(self, project: str, run_name: str, params: dict):
+        self.project, self.run_name, self.params = project, run_name, params
+        self.env = {k: v for k, v in os.environ.items() if k.startswith("WANDB_")}
+        self.run = None
+
+    def _ensure_run(self):
+        if self.run is None:
+            import wandb
+
+            os.environ.update(self.env)
+            run_id = hashlib.sha256(f"raylora:{self.project}:{self.run_name}".encode()).hexdigest()[:16]
+            self.run = wandb.init(
+                project=self.project, name=self.run_name, id=run_id, resume="allow", config=self.params
+            )
+            self.run.define_metric("step")
+            self.run.define_metric("*", step_metric="step")
+        return self.run
+
+    @never_fatal
+    def after_report(self, run_context, metrics, checkpoint) -> None:
+        if not metrics or not metrics[0]:
+            return
+        row = metrics[0]
+        self._ensure_run().log({"step": int(row["step"]), **_scalars(row)})
+        if row.get("step") == row.get("max_steps"):
+            self.run.finish()
+            self.run = None
+
+    @never_fatal
+    def after_exception(self, run_context, worker_exceptions) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=1)
+            self.run = None

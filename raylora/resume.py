@@ -1,11 +1,17 @@
-"""Choosing what a run resumes from, and refusing what it must not resume from.
+"""Choosing what a run resumes from, refusing what it must not resume from, and clearing what a
+crashed attempt left behind.
 
-- On a worker: Ray hands over the latest reported checkpoint. If it is torn or damaged (a file
-  missing, truncated or altered per the manifest, state.json unreadable), fall back to the newest
-  intact checkpoint the run reported before it, with a warning that names the bad folder and file.
+- On the workers: Ray hands every rank the latest reported checkpoint. Rank 0 alone decides what is
+  restored: if that checkpoint is torn or damaged (a file missing, truncated or altered per the
+  manifest, state.json unreadable), it falls back to the newest intact one the run reported before
+  it, with a warning that names the bad folder and file. Every rank then reads exactly the checkpoint
+  rank 0 chose, and all compare the step they hold before the first step. A storage error that may
+  be transient is retried with backoff, never taken for damage.
 - On the driver, before Ray Train starts: a run that will resume is checked against its checkpoint
-  (architecture, base model, LoRA rank and targets, what is trained), so a mismatch is one clear
-  error instead of a worker crash retried `max_failures` times.
+  (architecture, base model, LoRA rank and targets, what is trained, the sample order), so a mismatch
+  is one clear error instead of a worker crash retried `max_failures` times.
+- At the start of every attempt: the local folders a crashed rank 0 was writing a checkpoint into, and
+  the checkpoint folders of uploads that never completed, are removed.
 """
 
 from __future__ import annotations
@@ -14,6 +20,10 @@ import hashlib
 import json
 import logging
 import posixpath
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.fs
@@ -21,6 +31,8 @@ import ray.train
 
 from raylora import checkpoint, hub
 from raylora.config import Config, ConfigError, storage_path
+from raylora.data import check_parquet
+from raylora.drills import maybe_read_error
 from raylora.progress import run_folder
 
 log = logging.getLogger("raylora")
@@ -53,17 +65,65 @@ def _checkpoint_folders(fs: pyarrow.fs.FileSystem, run_dir: str) -> list[str]:
     return sorted(p for p in names if posixpath.basename(p).startswith("checkpoint_"))
 
 
-def load_intact(latest: ray.train.Checkpoint) -> checkpoint.Loaded:
-    """The newest intact checkpoint no newer than `latest`; warns about each damaged one it skips."""
+# A storage error (a network error, a timeout, a throttled request) is retried this many times, waiting
+# 1, 2, 4, 8 s between tries, before the attempt fails (and Ray Train retries it with a new worker group).
+READ_TRIES = 5
+READ_BACKOFF_S = 1.0
+
+
+def read_checkpoint(
+    path: str,
+    filesystem: pyarrow.fs.FileSystem,
+    before_read: Callable[[str], None] | None = None,
+    tries: int = READ_TRIES,
+    backoff_s: float = READ_BACKOFF_S,
+) -> checkpoint.Loaded:
+    """Read and verify checkpoint `path` of the run's storage.
+
+    An `OSError` may be transient: it is retried with exponential backoff, and after `tries` failures
+    raised as an `OSError` naming the checkpoint. Files that do not match the manifest are damage:
+    `CheckpointError` at once, not retried. `before_read(path)` runs before each try (the fault drill).
+    """
+    for attempt in range(1, tries + 1):
+        try:
+            if before_read is not None:
+                before_read(path)
+            with ray.train.Checkpoint(path, filesystem=filesystem).as_directory() as local:
+                return checkpoint.load(local)
+        except OSError as err:
+            if attempt == tries:
+                raise OSError(
+                    f"{path}: reading the checkpoint failed {tries} times; last error: "
+                    f"{type(err).__name__}: {err}"
+                ) from err
+            wait = backoff_s * 2 ** (attempt - 1)
+            log.warning(
+                "reading checkpoint %s failed (%s); try %d of %d in %.0f s",
+                path,
+                err,
+                attempt + 1,
+                tries,
+                wait,
+            )
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def newest_intact(
+    latest: ray.train.Checkpoint, before_read: Callable[[str], None] | None = None
+) -> tuple[str, checkpoint.Loaded]:
+    """(path, contents) of the newest intact checkpoint no newer than `latest`; warns about each damaged
+    one it skips. A storage error that outlasts the retries is not damage: it is raised."""
     fs, latest_path = latest.filesystem, latest.path.rstrip("/")
     run_dir = posixpath.dirname(latest_path)
     folders = [p for p in _checkpoint_folders(fs, run_dir) if p <= latest_path] or [latest_path]
     problems = []
     for path in reversed(folders):
         try:
-            with ray.train.Checkpoint(path, filesystem=fs).as_directory() as local:
-                loaded = checkpoint.load(local)
-        except (checkpoint.CheckpointError, OSError) as err:
+            loaded = read_checkpoint(path, fs, before_read)
+        except checkpoint.NewerFormatError:
+            raise  # not damage: falling back past it would silently lose its steps
+        except checkpoint.CheckpointError as err:
             log.warning("not resuming from damaged checkpoint %s: %s", path, err)
             problems.append(f"{path}: {err}")
             continue
@@ -71,22 +131,159 @@ def load_intact(latest: ray.train.Checkpoint) -> checkpoint.Loaded:
             log.warning(
                 "resuming from %s (step %d) instead of the damaged latest one", path, loaded.state.step
             )
-        return loaded
+        return path, loaded
     raise checkpoint.CheckpointError(
         f"no intact checkpoint in {run_dir}; every one is damaged:\n  " + "\n  ".join(problems)
     )
 
 
+def restore_agreed(cfg: Config, latest: ray.train.Checkpoint | None) -> checkpoint.Loaded | None:
+    """The checkpoint this rank restores: the one rank 0 chose, read by every rank. Collective.
+
+    A rank that chose for itself could fall back past a checkpoint it failed to read to an older step
+    while the others restore the newest; partitions, learning rate and sampler positions would mix.
+    So rank 0 alone verifies and falls back, and broadcasts the path it chose: a path of the run's
+    storage, which each rank reads through its own filesystem (its own credentials). Each rank checks
+    the manifest again as it reads, and all ranks compare the step they hold.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+
+    def drill(path: str) -> None:
+        maybe_read_error(cfg, rank, path)
+
+    chosen: list[str | None] = [None]
+    loaded = None
+    if rank == 0 and latest is not None:
+        chosen[0], loaded = newest_intact(latest, drill)
+    # Object collectives: they run on whatever the group serves (gloo on CPU, NCCL on the current GPU).
+    dist.broadcast_object_list(chosen, src=0)
+    if rank != 0 and chosen[0] is not None:
+        if latest is None:
+            raise checkpoint.CheckpointError(
+                f"rank {rank} got no checkpoint from Ray; rank 0 restores {chosen[0]}"
+            )
+        loaded = read_checkpoint(chosen[0], latest.filesystem, drill)
+    steps: list[int | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(steps, loaded.state.step if loaded is not None else None)
+    if len(set(steps)) > 1:
+        raise checkpoint.CheckpointError(
+            f"ranks hold different steps after restoring {chosen[0]} (step by rank: {steps})"
+        )
+    if rank == 0 and chosen[0] is not None:
+        log.info("every rank restores %s (step %d)", chosen[0], steps[0])
+    return loaded
+
+
+# The sampler's fields, the config key that sets each, and what it counts: together they fix the order.
+SAMPLER_KEYS = {
+    "seed": ("train.seed", "seed"),
+    "global_batch_size": ("train.global_batch_size", "global batch size"),
+    "num_samples": ("data.train", "usable rows of data.train"),
+}
+
+
+def check_sampler(saved: dict[str, int], now: dict[str, int], where: str) -> None:
+    """Refuse to resume with another sample order: a `ConfigError` naming the config key that changed.
+
+    The order of every step's batch follows from the sampler's fields alone, so a resume with another
+    seed, global batch size or number of samples would go on with batches the run never planned.
+    """
+    for field, (key, what) in SAMPLER_KEYS.items():
+        if field in now and field in saved and saved[field] != now[field]:
+            raise ConfigError(
+                f"{key}: {where} was trained with {what} {saved[field]}, this config gives {now[field]}; "
+                f"resuming would go on in another sample order. Set {key} back, or use another run.name "
+                f"to start over"
+            )
+
+
 def latest_state(cfg: Config) -> tuple[str, checkpoint.TrainState] | None:
-    """(folder, state) of the newest checkpoint of this run whose state.json reads, if any."""
+    """(folder, state) of the newest checkpoint of this run whose state.json reads, if any.
+
+    A checkpoint written in a newer format than this raylora reads is refused (`ConfigError`).
+    """
     fs, run_dir = run_folder(storage_path(cfg), cfg.run.name)
     for path in reversed(_checkpoint_folders(fs, run_dir)):
         try:
-            with fs.open_input_stream(posixpath.join(path, checkpoint.STATE)) as f:
-                return path, checkpoint.TrainState.from_dict(json.loads(f.read()))
-        except (OSError, ValueError, TypeError):
+            return path, checkpoint.read_state(path, fs)
+        except checkpoint.NewerFormatError as err:
+            raise ConfigError(f"run {cfg.run.name} cannot resume: {err}") from err
+        except checkpoint.CheckpointError:
             continue
     return None
+
+
+def staging_folder(cfg: Config) -> Path:
+    """This node's folder for the checkpoints rank 0 writes before Ray uploads them: one per run (storage
+    path and name), so that an attempt removes what a crashed one left without touching another run's."""
+    key = hashlib.sha256(f"{storage_path(cfg)}/{cfg.run.name}".encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / "raylora-staging" / f"{cfg.run.name}-{key}"
+
+
+def new_staging_folder(cfg: Config, step: int) -> str:
+    """A new empty local folder for the checkpoint of `step`."""
+    parent = staging_folder(cfg)
+    parent.mkdir(parents=True, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"step{step}-", dir=parent)
+
+
+# Ray Train's record of the checkpoints a run reported; a run with the same name resumes from it.
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def recorded_checkpoints(fs: pyarrow.fs.FileSystem, run_dir: str) -> set[str] | None:
+    """Folder names of the checkpoints Ray's snapshot lists; None when it exists but does not read."""
+    path = posixpath.join(run_dir, RAY_SNAPSHOT)
+    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+        return set()
+    try:
+        with fs.open_input_stream(path) as f:
+            snapshot = json.loads(f.read())
+        results = [
+            *snapshot.get("checkpoint_results", []),
+            *snapshot.get("pending_training_results", []),
+            snapshot.get("latest_checkpoint_result") or {},
+        ]
+        return {r["checkpoint_dir_name"] for r in results if r}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def remove_partial_uploads(fs: pyarrow.fs.FileSystem, run_dir: str) -> list[str]:
+    """Remove the checkpoint folders that have no manifest and that Ray's snapshot does not list: uploads
+    cut short by a crash. Ray never hands them out, but they hold storage and look like checkpoints.
+    Returns the removed paths; removes nothing while the snapshot does not read."""
+    recorded = recorded_checkpoints(fs, run_dir)
+    if recorded is None:
+        return []
+    removed = []
+    for path in _checkpoint_folders(fs, run_dir):
+        if posixpath.basename(path) not in recorded and not checkpoint.is_complete(path, fs):
+            fs.delete_dir(path)
+            removed.append(path)
+    return removed
+
+
+def remove_leftovers(cfg: Config, rank: int) -> None:
+    """What crashed attempts left: this node's staging folders of this run and, on rank 0, partial
+    uploads in the run folder. Runs before any rank writes a checkpoint; never fails the attempt."""
+    staging = staging_folder(cfg)
+    if staging.is_dir():
+        stale = sorted(p.name for p in staging.iterdir())
+        shutil.rmtree(staging, ignore_errors=True)
+        if stale:
+            log.warning("removed local checkpoint folders of a crashed attempt in %s: %s", staging, stale)
+    if rank != 0:
+        return
+    try:
+        removed = remove_partial_uploads(*run_folder(storage_path(cfg), cfg.run.name))
+    except OSError as err:  # storage unreachable now: the next attempt cleans up
+        log.warning("could not clear partial checkpoint uploads: %s", err)
+        return
+    if removed:
+        log.warning("removed checkpoint folders whose upload never completed: %s", removed)
 
 
 def expected_trainable(cfg: Config) -> dict[str, list[int]]:
@@ -106,7 +303,18 @@ def check_resume(cfg: Config) -> checkpoint.TrainState | None:
     if found is None:
         return None
     folder, state = found
-    arch = state.extra.get("arch")
+    sampler = {"seed": cfg.train.seed, "global_batch_size": cfg.train.global_batch_size}
+    check_sampler(state.sampler, sampler, folder)
+    # The usable rows are known only once every image is decoded (a worker checks them); the driver
+    # compares the Parquet metadata's row count, which a changed data set almost always changes.
+    rows = check_parquet(cfg.data.train, "data.train")
+    if state.data_rows is not None and rows != state.data_rows:
+        raise ConfigError(
+            f"data.train: {folder} was trained on {state.data_rows} rows, {cfg.data.train} has {rows}; "
+            f"resuming would go on in another sample order. Point data.train at the data it was trained on, "
+            f"or use another run.name to start over"
+        )
+    arch = state.arch
     from raylora.arch import detect
 
     model_dir = hub.resolve(cfg.model.path, cfg.model.revision, config_only=True)
@@ -116,7 +324,7 @@ def check_resume(cfg: Config) -> checkpoint.TrainState | None:
             f"run {cfg.run.name} resumes from {folder}, made for architecture {arch}; "
             f"model.path is a {here} model"
         )
-    fingerprint = state.extra.get("base_model")
+    fingerprint = state.base_model
     # A Hub model's weights are fetched to the driver here, and only here: a resume must be refused on
     # this side of Ray when the base model changed, and the fingerprint is made from the files.
     if fingerprint and fingerprint != base_model_fingerprint(hub.resolve(cfg.model.path, cfg.model.revision)):

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 
 import deepspeed
@@ -24,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
-from raylora import checkpoint, hub, zero
+from raylora import checkpoint, console, failures, hub, resume, zero
 from raylora.arch import Architecture, detect
 from raylora.config import Config, storage_path
 from raylora.data import GlobalSampler, ImageTextData, answer_ids, check_max_length, limit_length
@@ -35,7 +33,7 @@ from raylora.model import build_model, mark_trained, shapes
 from raylora.processor import load_processor
 from raylora.progress import count_attempt
 from raylora.redact import redact
-from raylora.resume import base_model_fingerprint, load_intact
+from raylora.resume import base_model_fingerprint
 
 log = logging.getLogger("raylora")
 
@@ -215,12 +213,11 @@ def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
         config=redact(s.cfg.to_dict()),
         versions=checkpoint.versions(),
         restarts=s.restarts,
-        extra={
-            "arch": s.arch.model_type,
-            "base_model": base_model_fingerprint(hub.resolve(s.cfg.model.path, s.cfg.model.revision)),
-        },
+        arch=s.arch.model_type,
+        base_model=base_model_fingerprint(hub.resolve(s.cfg.model.path, s.cfg.model.revision)),
+        data_rows=len(s.data) + len(s.data.bad_rows),
     )
-    folder = tempfile.mkdtemp(prefix=f"raylora-step{s.step}-")
+    folder = resume.new_staging_folder(s.cfg, s.step)  # removed at the next start if this rank dies
     checkpoint.save(folder, weights, moments, state, s.engine.module.peft_config["default"])
     maybe_kill(s.cfg, s.step, s.rank, while_checkpointing=True)  # written locally, not yet handed to Ray
     return ray.train.Checkpoint.from_directory(folder)
@@ -228,16 +225,20 @@ def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
 
 def train_loop_per_worker(cfg: Config) -> list[dict]:
     """Ray Train entry point. Returns this attempt's per-step metrics (from rank 0)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s raylora %(message)s")
-    # Ray Train logs every report at INFO and DeepSpeed calls deprecated torch.distributed names on
-    # every step; both would bury the progress lines.
-    logging.getLogger("ray.train.v2._internal.execution.context").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    restore_from = None
-    ckpt = ray.train.get_checkpoint()
-    if ckpt is not None:
-        restore_from = load_intact(ckpt)  # falls back past torn or damaged checkpoints
-    s = setup(cfg, restore_from)
+    console.setup_logging(cfg.run.verbose)
+    # Ray Train has set up the process group before this function runs.
+    rank = dist.get_rank()
+    try:
+        resume.remove_leftovers(cfg, rank)
+        # rank 0 chooses (falling back past damaged checkpoints), every rank restores that one
+        restore_from = resume.restore_agreed(cfg, ray.train.get_checkpoint())
+        s = setup(cfg, restore_from)
+        if restore_from is not None:  # the exact count of usable rows is known only once decoded
+            sampler = {k: getattr(s.sampler, k) for k in resume.SAMPLER_KEYS}
+            where = f"the checkpoint of step {restore_from.state.step}"
+            resume.check_sampler(restore_from.state.sampler, sampler, where)
+    except failures.PERMANENT as err:
+        raise failures.PermanentError.at_start(err, rank) from err
     if s.rank == 0 and s.resumed:
         log.info("resumed from checkpoint at step %d (restart %d)", s.step, s.restarts)
     history, started = [], time.perf_counter()

@@ -22,6 +22,7 @@ RAY_SCRIPTS = [
     "throughput",
     "recovery",
     "scale",
+    "memory",
 ]
 
 
@@ -63,6 +64,9 @@ def test_bench_script_runs_tiny(script, tmp_path):
         assert result["goal"]["met"], json.dumps(result["goal"])
     if script == "scale":
         assert (tmp_path / "results" / "scale.png").stat().st_size > 0
+    if script == "memory":  # max_length skips the long samples; the peaks are figures, not checked here
+        assert result["configurations"]["all on"]["too_long_samples"] > 0
+        assert result["configurations"]["all off"]["too_long_samples"] == 0
 
 
 @pytest.mark.slow
@@ -71,3 +75,10 @@ def test_on_paper_runs_tiny(tmp_path):
     frozen, trained = result["models"]
     assert frozen["lora_params"] == 39_976_960  # llava-1.5-7b, r=16 on q,k,v,o,gate,up,down of 32 layers
     assert trained["trainable_params"] > frozen["trainable_params"]
+    llava = result["memory_per_gpu"][0]
+    layer = llava["decoder_layer_bytes_per_token"]
+    assert layer["bytes"] == 30 * 4096 + 4 * 4096 + 9 * 11008 == sum(layer["terms"].values())
+    scenarios = llava["scenarios"]
+    shipped, no_checkpointing = scenarios["shipped"], scenarios["gradient_checkpointing off"]
+    assert shipped["gradient_checkpointing"] and shipped["fits"]["80 GB"]
+    assert no_checkpointing["activations_gb"] > 10 * shipped["activations_gb"]

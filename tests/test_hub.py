@@ -183,7 +183,7 @@ def test_trains_and_resumes_from_a_hub_id(offline_ray, tiny_models, digits, tmp_
     state = _state(first)
     assert (state.step, state.restarts) == (4, 1)
     assert state.config["model"]["path"] == REPO  # the workers resolved the Hub id themselves
-    assert state.extra["base_model"] == local
+    assert state.base_model == local
 
     # The same run continued with the revision pinned to the commit main pointed to: the same base
     # model, so the driver's resume check (which fingerprints the resolved files) accepts it.

@@ -1,0 +1,217 @@
+"""The checkpoint format's one owner, and what a restart checks and clears, single process.
+
+Format versions (a newer one refused, the older one read), typed fields, the retrying read of one
+checkpoint, the sampler check on resume, the removal of leftovers of crashed attempts, and which
+worker errors end a run at once.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pyarrow.fs
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raylora import checkpoint, config, resume
+from raylora.config import ConfigError
+from raylora.failures import PERMANENT, EndOnPermanentError, PermanentError
+
+LORA = "model.language_model.layers.0.self_attn.q_proj.lora_A.default.weight"
+
+
+class _AdapterConfig:
+    def save_pretrained(self, folder):
+        (Path(folder) / checkpoint.ADAPTER_CONFIG).write_text('{"r": 4}')
+
+
+def _save(folder: Path, **state_fields) -> Path:
+    weights = {LORA: torch.randn(4, 8)}
+    moments = {f"{LORA}.{k}": torch.randn(4, 8) for k in ("exp_avg", "exp_avg_sq")}
+    fields = {
+        "step": 4,
+        "epoch": 0,
+        "sampler": {"seed": 0, "num_samples": 1437, "global_batch_size": 8},
+        "scheduler": {},
+        "world_size": 2,
+        "trainable": {LORA: [4, 8]},
+        "config": {},
+        "versions": {},
+        **state_fields,
+    }
+    checkpoint.save(folder, weights, moments, checkpoint.TrainState(**fields), _AdapterConfig())
+    return folder
+
+
+def _cfg(tmp_path: Path, train_file, *overrides: str) -> config.Config:
+    return config.load(
+        None,
+        [
+            "model.path=unused-by-these-checks",
+            f"data.train={train_file}",
+            f"run.storage_path={tmp_path / 'runs'}",
+            "run.name=fmt",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            *overrides,
+        ],
+    )
+
+
+def test_newer_format_is_refused_naming_both_versions(tmp_path, digits):
+    newer = checkpoint.FORMAT_VERSION + 1
+    folder = _save(tmp_path / "runs" / "fmt" / "checkpoint_000000", format=newer)
+    current = checkpoint.FORMAT_VERSION
+    both = f"format {newer} was written by a newer raylora; this raylora reads format {current}"
+    with pytest.raises(checkpoint.NewerFormatError, match=both):
+        checkpoint.load(folder)
+    with pytest.raises(checkpoint.NewerFormatError, match=both):
+        checkpoint.read_state(folder)
+    # the driver refuses it before Ray starts, instead of taking it for damage and resuming from older
+    with pytest.raises(ConfigError, match=f"run fmt cannot resume: .*{both}"):
+        resume.check_resume(_cfg(tmp_path, digits[0]))
+    # a manifest of a newer format is refused the same way
+    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+    (folder / checkpoint.MANIFEST).write_text(json.dumps({**manifest, "format": newer}))
+    with pytest.raises(checkpoint.NewerFormatError, match=both):
+        checkpoint.verify(folder)
+
+
+def test_format_1_reads_into_typed_fields(tmp_path):
+    fingerprint = {"sha256": "ab" * 32, "weight_bytes": 123}
+    folder = _save(tmp_path / "new", arch="llava", base_model=fingerprint, data_rows=1437)
+    state = checkpoint.load(folder).state
+    assert (state.arch, state.base_model, state.data_rows, state.format) == (
+        "llava",
+        fingerprint,
+        1437,
+        checkpoint.FORMAT_VERSION,
+    )
+    old = state.to_dict()  # as format 1 wrote it: the architecture and fingerprint in `extra`
+    for key in ("arch", "base_model", "data_rows"):
+        del old[key]
+    old.update(format=1, extra={"arch": "llava", "base_model": fingerprint})
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / checkpoint.STATE).write_text(json.dumps(old))
+    state = checkpoint.read_state(tmp_path / "old")
+    assert (state.arch, state.base_model, state.data_rows, state.extra) == ("llava", fingerprint, None, {})
+    with pytest.raises(checkpoint.CheckpointError, match="state.json missing or unreadable"):
+        checkpoint.read_state(tmp_path)
+
+
+def test_read_retries_storage_errors_but_not_damage(tmp_path):
+    folder = str(_save(tmp_path / "ckpt"))
+    fs = pyarrow.fs.LocalFileSystem()
+    calls = []
+
+    def failing(times):
+        def before_read(path):
+            calls.append(path)
+            if len(calls) <= times:
+                raise OSError("connection reset by peer")
+
+        return before_read
+
+    # transient: two failures, then the read succeeds
+    assert resume.read_checkpoint(folder, fs, failing(2), tries=3, backoff_s=0).state.step == 4
+    assert len(calls) == 3
+    # persistent: gives up after `tries`, as an OSError (Ray retries the attempt), not as damage
+    calls.clear()
+    with pytest.raises(OSError, match="reading the checkpoint failed 3 times.*connection reset") as raised:
+        resume.read_checkpoint(folder, fs, failing(10), tries=3, backoff_s=0)
+    assert not isinstance(raised.value, checkpoint.CheckpointError) and len(calls) == 3
+    # damage (a file that does not match the manifest): raised at once, never retried
+    calls.clear()
+    path = Path(folder) / checkpoint.OPTIMIZER
+    path.write_bytes(path.read_bytes()[:-1] + b"\0")
+    with pytest.raises(checkpoint.CheckpointError, match="does not match its sha256"):
+        resume.read_checkpoint(folder, fs, failing(0), tries=3, backoff_s=0)
+    assert len(calls) == 1
+
+
+def test_changed_sampler_is_refused_naming_the_key(tmp_path, digits):
+    rows = pq.read_metadata(digits[0]).num_rows
+    _save(tmp_path / "runs" / "fmt" / "checkpoint_000000", data_rows=rows)
+    with pytest.raises(ConfigError, match=r"^train.seed: .* trained with seed 0, this config gives 1"):
+        resume.check_resume(_cfg(tmp_path, digits[0], "train.seed=1"))
+    with pytest.raises(ConfigError, match=r"^train.global_batch_size: .* global batch size 8, .* gives 16"):
+        resume.check_resume(_cfg(tmp_path, digits[0], "train.global_batch_size=16"))
+    fewer = tmp_path / "fewer.parquet"
+    pq.write_table(pq.read_table(digits[0]).slice(0, 100), fewer)
+    with pytest.raises(
+        ConfigError, match=rf"^data.train: .* trained on {rows} rows, .*fewer.parquet has 100"
+    ):
+        resume.check_resume(_cfg(tmp_path, fewer))
+    # on a worker, the usable rows (after bad rows are skipped) are compared exactly
+    saved = {"seed": 0, "num_samples": 1437, "global_batch_size": 8}
+    with pytest.raises(
+        ConfigError, match=r"^data.train: here was trained with usable rows of data.train 1437"
+    ):
+        resume.check_sampler(saved, {**saved, "num_samples": 1436}, "here")
+    resume.check_sampler(saved, dict(saved), "here")
+
+
+def test_partial_uploads_are_removed_recorded_ones_kept(tmp_path):
+    fs, run_dir = pyarrow.fs.LocalFileSystem(), tmp_path / "run"
+    recorded_torn = run_dir / "checkpoint_a"  # recorded by Ray: the restore's fallback deals with it
+    partial = run_dir / "checkpoint_b"  # an upload cut short: no manifest, unrecorded
+    complete = _save(run_dir / "checkpoint_c")  # complete but unrecorded: not a partial upload
+    for folder in (recorded_torn, partial):
+        folder.mkdir(parents=True)
+        (folder / checkpoint.ADAPTER_WEIGHTS).write_bytes(b"partial")
+    # the fields Ray Train 2.60's CheckpointManager writes (test_restore_decision checks a real one)
+    snapshot = {
+        "checkpoint_results": [{"checkpoint_dir_name": "checkpoint_a", "metrics": {}}],
+        "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_a", "metrics": {}},
+        "pending_training_results": [],
+    }
+    (run_dir / resume.RAY_SNAPSHOT).write_text("{ torn")
+    assert resume.remove_partial_uploads(fs, str(run_dir)) == []  # unreadable record: remove nothing
+    (run_dir / resume.RAY_SNAPSHOT).write_text(json.dumps(snapshot))
+    assert resume.remove_partial_uploads(fs, str(run_dir)) == [str(partial)]
+    assert recorded_torn.is_dir() and complete.is_dir() and not partial.exists()
+
+
+def test_staging_folders_of_this_run_are_removed_at_start(tmp_path, digits, caplog):
+    cfg = _cfg(tmp_path, digits[0])
+    other = _cfg(tmp_path / "elsewhere", digits[0])  # same run name, another storage path
+    mine, theirs = Path(resume.new_staging_folder(cfg, 4)), Path(resume.new_staging_folder(other, 4))
+    try:
+        assert mine.parent != theirs.parent
+        (mine / "adapter_model.safetensors").write_bytes(b"half written")
+        partial = tmp_path / "runs" / "fmt" / "checkpoint_x"
+        partial.mkdir(parents=True)
+        with caplog.at_level("WARNING", logger="raylora"):
+            resume.remove_leftovers(cfg, rank=0)
+        assert not mine.exists() and theirs.is_dir() and not partial.exists()
+        assert mine.name in caplog.text and str(partial) in caplog.text
+    finally:
+        shutil.rmtree(resume.staging_folder(cfg), ignore_errors=True)
+        shutil.rmtree(resume.staging_folder(other), ignore_errors=True)
+
+
+def test_only_start_errors_that_cannot_pass_end_the_run():
+    for err in (ConfigError("data.train: x"), AssertionError("dtype"), FileNotFoundError("/x")):
+        assert isinstance(err, PERMANENT), err
+    assert isinstance(checkpoint.CheckpointError("made for another model"), PERMANENT)
+    for err in (OSError("timed out"), ConnectionError("reset"), RuntimeError("NCCL"), MemoryError()):
+        assert not isinstance(err, PERMANENT), err
+    err = PermanentError.at_start(FileNotFoundError("/data/train.parquet"), rank=1)
+    assert str(err).startswith("rank 1: FileNotFoundError: /data/train.parquet")
+    assert str(pickle.loads(pickle.dumps(err))) == str(err)  # it crosses from a worker to the controller
+    callback = EndOnPermanentError()
+    callback.after_exception(None, {0: RuntimeError("connection closed by peer")})  # retried: no raise
+    with pytest.raises(PermanentError, match="train.parquet"):
+        callback.after_exception(None, {0: RuntimeError("peer gone"), 1: err})
+
+
+def test_read_error_drill_is_validated():
+    base = ["model.path=m", "data.train=d.parquet", "train.global_batch_size=8", "train.micro_batch_size=2"]
+    with pytest.raises(ConfigError, match="fault.read_errors"):
+        config.load(None, [*base, "fault.read_errors=-1"])
+    with pytest.raises(ConfigError, match=r"fault.read_error_rank \(2\) must be a rank of 2 workers"):
+        config.load(None, [*base, "fault.read_errors=1", "fault.read_error_rank=2"])

@@ -3,10 +3,11 @@
 A tiny Qwen2-VL (2 workers, ZeRO-3 on CPU, LoRA plus a trained vision tower) given what makes a real one
 run out of memory: a 32k vocabulary, a processor that keeps images as large as they come, like
 Qwen2-VL-7B's (up to 16384 image tokens), 256x256 images (1024 image tokens each) and every other
-prompt 1500 words long. Each configuration runs in its own Ray worker group: one warm-up step (ZeRO-3
-creates the optimizer state there), then the peak resident set size (VmHWM, reset before the measured
-steps through /proc/self/clear_refs) of the measured steps on each rank. "step_peak" is that peak above
-the rank's resident size before the steps: what the training step itself needs.
+prompt 1500 words long. Each configuration runs in its own Ray worker group: the model and engine are
+built, freed heap is returned to the system (malloc_trim), the peak resident set size is reset
+(/proc/self/clear_refs), and the peak (VmHWM) of the steps that follow is read on each rank.
+"step_peak" is that peak above the rank's resident size before the steps: what training needs beyond
+the model, engine and data it holds (ZeRO-3's optimizer state, created at the first step, included).
 
 Controls: `train.gradient_checkpointing`, answer-only logits (raylora's loss; off: the logits of every
 position, `raylora.loss.FULL_LOGITS`), `data.max_pixels` and `data.max_length`.
@@ -100,7 +101,9 @@ def _rss_kb(field: str) -> int:
 
 
 def measure_on_rank(cfg, full_logits: bool, steps: int) -> list[dict]:
-    """On each rank: warm-up step, reset the peak, measured steps; every rank's figures (on rank 0)."""
+    """On each rank: build, reset the peak, train `steps` steps; every rank's figures (on rank 0)."""
+    import ctypes
+
     import torch.distributed as dist
 
     import raylora.loss
@@ -108,8 +111,8 @@ def measure_on_rank(cfg, full_logits: bool, steps: int) -> list[dict]:
 
     raylora.loss.FULL_LOGITS = full_logits
     s = setup(cfg, None)
-    train_step(s)
     gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand what building freed back, so it does not hide the steps'
     dist.barrier()
     before = _rss_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
@@ -139,7 +142,7 @@ def main() -> None:
     args = common.parser(__doc__).parse_args()
     work = Path(args.work) / "memory"
     shutil.rmtree(work, ignore_errors=True)  # a run folder left from before would be taken for a resume
-    steps = 1 if args.tiny else 2
+    steps = 1 if args.tiny else 3
     model_dir = long_sequence_model(args.work, args.tiny)
     train_file = long_sequence_data(args.work, args.tiny)
     max_length = 150 if args.tiny else MAX_LENGTH
@@ -147,7 +150,7 @@ def main() -> None:
     with common.local_ray():
         for name, on in configurations(args.tiny).items():
             overrides = [
-                f"train.max_steps={steps + 1}",
+                f"train.max_steps={steps}",
                 "train.global_batch_size=4",
                 "train.micro_batch_size=1",
                 f"train.gradient_checkpointing={'gradient_checkpointing' in on}",

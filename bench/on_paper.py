@@ -218,18 +218,13 @@ def vit_block_bytes(d: int, m: int, trained: bool) -> dict:
 
 def zero3_shares(model_config, arch_name: str, cfg) -> dict:
     """Bytes per GPU of ZeRO-3's parameter, gradient and optimizer partitions for run config `cfg`."""
-    import torch
-    from transformers import AutoModelForImageTextToText
-
     from raylora.arch import REGISTRY
-    from raylora.model import add_lora, set_trainable, trainable_parameters
+    from raylora.model import mark_trained, meta_model
 
     arch, world = REGISTRY[arch_name], cfg.world_size
-    with torch.device("meta"):
-        model = add_lora(AutoModelForImageTextToText.from_config(model_config), cfg, arch)
-    set_trainable(model, arch, cfg)
+    model = meta_model(cfg, arch, model_config)
     total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in trainable_parameters(model).values())
+    trainable = sum(p.numel() for p in mark_trained(model, arch, cfg).values())
     persistent = sum(
         p.numel() for p in model.parameters() if p.numel() < cfg.train.param_persistence_threshold
     )

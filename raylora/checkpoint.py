@@ -243,12 +243,16 @@ def is_complete(folder: str, filesystem: Any) -> bool:
 
 
 def verify(folder: str | Path) -> dict[str, Any]:
-    """Check every file against the manifest; raise `CheckpointError` naming the folder and file."""
+    """Check every file against the manifest; raise `CheckpointError` naming the folder and file.
+
+    Any other `OSError` (an I/O error, a timeout on network storage) is raised as it is: it says nothing
+    about the checkpoint, and a reader may retry it.
+    """
     folder = Path(folder)
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         entries = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(
             f"{folder}: {MANIFEST} missing or unreadable ({err}); checkpoint incomplete"
         ) from err

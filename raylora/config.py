@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import yaml
 
 
@@ -213,74 +214,80 @@ class Config:
         return self.train.global_batch_size // (self.train.micro_batch_size * world_size)
 
 
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` against the annotation `tp`, converting only where YAML is ambiguous."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(value, arg, key)
-            except ConfigError as err:
-                errors.append(err)
-        raise errors[0]
-    if origin is list:
-        (item,) = typing.get_args(tp)
-        if isinstance(value, str):  # `key=a,b` on the command line
-            value = [yaml.safe_load(v) for v in value.split(",") if v]
-        elif not isinstance(value, list):  # `key=3` for a one-element list
-            value = [value]
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
-        return [_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `1e-4` as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    else:
-        raise TypeError(f"unsupported config annotation {tp!r} for {key}")
-    raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+SECTIONS = (ModelConfig, LoraConfig, DataConfig, TrainConfig, ScalingConfig, RunConfig, FaultConfig, Config)
+for _section in SECTIONS:
+    # pydantic checks the dataclasses as they are, in its lax mode (YAML's `1e-4` string is a float,
+    # `2.5` is not an int), and an unknown key is an error, not ignored.
+    _section.__pydantic_config__ = pydantic.ConfigDict(extra="forbid")
+_CHECK = pydantic.TypeAdapter(Config)
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+def _yaml_quirks(cls: type, data: Any, prefix: str) -> Any:
+    """What the command line leaves to be read as a list before pydantic checks the types:
+    `key=a,b` and `key=3`."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            raise ConfigError(f"unknown config key {prefix}{key!s} (known: {', '.join(sorted(names))})")
-    kwargs = {}
+    out = dict(data)
     for name, value in data.items():
-        tp = hints[name]
+        tp = hints.get(name)
+        if tp is None or value is None:
+            continue
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, f"{prefix}{name}.")
+            out[name] = _yaml_quirks(tp, value, f"{prefix}{name}.")
+            continue
+        args = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        takes_list = any(typing.get_origin(a) is list for a in args)
+        scalars = tuple(a for a in args if a in (bool, int, float, str))
+        if isinstance(value, bool) and bool not in args and not takes_list:
+            # pydantic's lax mode would read `true` as 1 for an int
+            raise ConfigError(f"{prefix}{name}: expected {_type_name(tp)}, got bool {value!r}")
+        if takes_list and isinstance(value, str) and str not in args:
+            out[name] = [yaml.safe_load(v) for v in value.split(",") if v]
+        elif takes_list and not isinstance(value, list) and not isinstance(value, scalars):
+            out[name] = [value]
+    return out
+
+
+def _type_name(tp: Any) -> str:
+    return str(tp).replace("<class '", "").replace("'>", "")
+
+
+def _config_error(err: pydantic.ValidationError) -> ConfigError:
+    """pydantic's first error as raylora says it: the dotted key, what it expects, what it got."""
+    first = err.errors()[0]
+    cls, keys, tp = Config, [], None
+    for part in first["loc"]:
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+        if isinstance(part, str) and part in hints:
+            keys.append(part)
+            tp = cls = hints[part]
+        elif isinstance(part, int) and keys:
+            keys[-1] += f"[{part}]"
+            options = (
+                typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+            )
+            tp = next((typing.get_args(a)[0] for a in options if typing.get_origin(a) is list), None)
+        elif first["type"] == "unexpected_keyword_argument" or first["type"] == "extra_forbidden":
+            keys.append(str(part))
+            break
         else:
-            kwargs[name] = _convert(value, tp, f"{prefix}{name}")
-    return cls(**kwargs)
+            break  # the branch of a union pydantic tried
+    key = ".".join(keys) or "config"
+    if first["type"] in ("unexpected_keyword_argument", "extra_forbidden"):
+        known = sorted(typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else [])
+        return ConfigError(f"unknown config key {key} (known: {', '.join(known)})")
+    expected = _type_name(tp) if tp is not None else first["msg"]
+    value = first.get("input")
+    return ConfigError(f"{key}: expected {expected}, got {type(value).__name__} {value!r}")
 
 
 def from_dict(data: dict[str, Any]) -> Config:
     """Build a `Config` from nested plain data; unknown keys and wrong types raise `ConfigError`."""
-    return _build(Config, data or {}, "")
+    try:
+        return _CHECK.validate_python(_yaml_quirks(Config, data or {}, ""))
+    except pydantic.ValidationError as err:
+        raise _config_error(err) from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

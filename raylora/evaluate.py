@@ -25,7 +25,7 @@ def load_for_inference(folder: str | Path, model_path: str | None = None):
     model = PeftModel.from_pretrained(base, str(folder))
     trained = checkpoint.read_trained_modules(folder)
     if trained:
-        missing, unexpected = model.base_model.model.load_state_dict(trained, strict=False)
+        unexpected = model.base_model.model.load_state_dict(trained, strict=False).unexpected_keys
         if unexpected:
             raise checkpoint.CheckpointError(f"{folder}: trained modules not in the model: {unexpected[:3]}")
     model.eval()

@@ -29,7 +29,7 @@ def verified_state(folder: str | Path) -> checkpoint.TrainState:
     try:
         checkpoint.verify(folder)
         return checkpoint.read_state(folder)
-    except checkpoint.CheckpointError as err:
+    except (checkpoint.CheckpointError, OSError) as err:
         raise ConfigError(f"not a usable raylora checkpoint: {err}") from err
 
 

@@ -1,6 +1,6 @@
 """The per-rank training function Ray Train runs: build, restore, loop, report.
 
-Restore order (TECH-NOTES: the engine builds its fp32 masters from the parameter values it sees at
+Restore order (DeepSpeed's engine builds its fp32 masters from the parameter values it sees at
 `deepspeed.initialize`, so a load after it would be overwritten by the next optimizer step):
 1. build the base model (ZeRO-3 partitioned) and LoRA;
 2. mark what is trained (PEFT froze the vision tower and aligner when it wrapped the model);

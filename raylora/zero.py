@@ -116,12 +116,9 @@ def ensure_optimizer_state(engine, step: int) -> None:
     opt = engine.optimizer
     for flat in opt.fp32_partitioned_groups_flat:
         state = opt.optimizer.state[flat]
-        if not state:
-            state["step"] = torch.tensor(float(step))
-            for key in MOMENTS:
-                state[key] = torch.zeros_like(flat)
-        else:
-            state["step"] = torch.tensor(float(step))
+        state["step"] = torch.tensor(float(step))
+        for key in MOMENTS:
+            state.setdefault(key, torch.zeros_like(flat))
 
 
 # Elements of a rank's flat partition sent per `gather` at save: rank 0 receives world x 3 rows

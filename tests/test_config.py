@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -36,6 +37,10 @@ def test_yaml_and_overrides(tmp_path):
         ("train.max_steps=ten", "train.max_steps: expected int"),
         ("train.freeze_vision=maybe", "train.freeze_vision: expected bool"),
         ("train.max_steps=2.5", "train.max_steps: expected int"),
+        ("train.max_steps=true", "train.max_steps: expected int, got bool"),
+        ("fault.kill_at_steps=3,x", "fault.kill_at_steps[1]: expected int, got str"),
+        ("model.path=3", "model.path: expected str, got int"),
+        ("train=5", "train: expected a mapping"),
         ("lora.r=0", "lora.r must be positive"),
         ("train.global_batch_size=10", "must be a multiple of train.micro_batch_size x scaling.num_workers"),
         ("run.name=a/b", "run.name"),
@@ -44,7 +49,7 @@ def test_yaml_and_overrides(tmp_path):
     ],
 )
 def test_bad_config_names_the_key(override, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         config.load(None, _base() + [override])
 
 

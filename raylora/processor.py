@@ -1,4 +1,5 @@
-"""Loading a model folder's processor, with an image-only fallback for machines without torchvision.
+"""Loading a model folder's processor: image size caps (`cap_image_size`: data.max_pixels,
+data.min_pixels), and an image-only fallback for machines without torchvision.
 
 In transformers 5 the Qwen2-VL family's processors require a video processor, and video processors
 require torchvision. raylora trains on images only, so where torchvision is missing (CPU machines with

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
+from raylora.config import ConfigError
 from raylora.tiny import BUILDERS, FIX_WEIGHTS
 from raylora.tiny_text import DIGIT_NAMES
 
@@ -102,7 +103,10 @@ def _png(pixels: np.ndarray) -> bytes:
 
 def make_digits(out_dir: str | Path, eval_fraction: float = 0.2, seed: int = 0) -> tuple[Path, Path]:
     """Write DIR/train.parquet and DIR/eval.parquet (columns image, prompt, answer) from sklearn's digits."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as err:
+        raise ConfigError("the digits come from scikit-learn: pip install -e '.[demo]'") from err
 
     digits = load_digits()
     order = np.random.default_rng(seed).permutation(len(digits.target))

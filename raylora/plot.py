@@ -40,8 +40,11 @@ def attempts(rows: list[dict]) -> list[list[dict]]:
 
 def render(rows: list[dict], title: str = "") -> bytes:
     """PNG bytes: loss against step, eval accuracy on a second axis where rows have it, restarts marked."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ConfigError("raylora plot draws with matplotlib: pip install -e '.[demo]'") from err
 
     fig = Figure(figsize=(8, 4.5), dpi=100)
     FigureCanvasAgg(fig)

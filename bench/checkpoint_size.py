@@ -15,6 +15,8 @@ from pathlib import Path
 
 import common
 
+from tests.support import on_workers, tiny_run_config
+
 
 def probe(cfg, out_dir: str, steps: int, reps: int) -> dict:
     import torch
@@ -103,9 +105,11 @@ SIZES = [("tiny", 64, 2, 4), ("rank 16, width 256", 256, 2, 16)]
 def measure(args, work: Path, label: str, width: int, layers: int, rank: int, steps: int, reps: int) -> dict:
     model = common.tiny_model(args.work, width, layers)
     lora = [f"lora.r={rank}", f"lora.alpha={2 * rank}"]
-    cfg = common.config(model, common.digits(args.work), work / "ray", "checkpoint-size", *lora)
+    cfg = tiny_run_config(
+        model, common.digits(args.work), work / "ray", "checkpoint-size", common.NO_CHECKPOINTS, *lora
+    )
     out = str(work / "out" / label.replace(" ", "-").replace(",", ""))
-    r = common.on_workers(lambda: probe(cfg, out, steps, reps), work / "ray", "ckpt-size")
+    r = on_workers(lambda: probe(cfg, out, steps, reps), work / "ray", "ckpt-size")
 
     s = r["samples"]
     med = {w: {k: common.median(v) for k, v in s[w].items()} for w in WAYS}

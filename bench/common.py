@@ -1,4 +1,9 @@
-"""What every benchmark shares: tiny assets, a run on 2 Ray workers, a collective counter, JSON results.
+"""What every benchmark shares: tiny assets, a local Ray, a collective counter, JSON results.
+
+The tiny run, the probe that runs a function on Ray Train workers and the Ray settings are the tests'
+own (tests/support.py): this module puts the repository root on sys.path, so a benchmark imports them
+as `from tests.support import ...` after `import common`. Run the scripts from the repository root
+(`python bench/x.py`): Ray puts the driver's working directory on its workers' path.
 
 Each figure a benchmark writes is a median of several samples, the raw samples sit beside it, and the
 JSON says which machine and which command made it.
@@ -20,9 +25,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_AUTH_MODE", "token")  # explicit, so a run does not depend on ~/.ray
-
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python bench/x.py` puts only bench/ on the path
+    sys.path.insert(0, str(ROOT))
+
+from tests.support import use_ray_test_env  # noqa: E402
+
+use_ray_test_env()
+
 RESULTS = ROOT / "bench" / "results"
 WORK = ROOT / "runs" / "bench"  # scratch: models, data, checkpoints (git-ignored)
 
@@ -120,11 +130,9 @@ def digits(work: str | Path) -> str:
     return str(folder / "train.parquet")
 
 
-def config(model_dir: str, train_file: str, storage: str | Path, name: str, *overrides: str):
-    """The tests' tiny run (`raylora.assets.tiny_run_config`), with no checkpoints unless asked for."""
-    from raylora.assets import tiny_run_config
-
-    return tiny_run_config(model_dir, train_file, storage, name, "train.checkpoint_every=1000", *overrides)
+# An override for `tests.support.tiny_run_config`: a benchmark's run writes no checkpoints unless a later
+# override asks for them.
+NO_CHECKPOINTS = "train.checkpoint_every=1000"
 
 
 # ------------------------------------------------------------------------------------------------ Ray
@@ -143,19 +151,6 @@ def local_ray():
         yield ray
     finally:
         ray.shutdown()
-
-
-def on_workers(fn, storage: str | Path, name: str, num_workers: int = 2) -> Any:
-    """Run `fn()` on `num_workers` Ray Train workers (gloo, as raylora trains); rank 0's return value."""
-    import ray.train
-    from ray.train.torch import TorchTrainer
-
-    trainer = TorchTrainer(
-        fn,
-        scaling_config=ray.train.ScalingConfig(num_workers=num_workers),
-        run_config=ray.train.RunConfig(name=name, storage_path=str(Path(storage).resolve())),
-    )
-    return trainer.fit().return_value
 
 
 def barrier_time(fn) -> tuple[float, Any]:

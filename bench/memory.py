@@ -24,6 +24,8 @@ from pathlib import Path
 
 import common
 
+from tests.support import on_workers, tiny_run_config
+
 VOCAB = 32064  # llava-1.5-7b's; Qwen2-VL-7B's is 152064
 WIDTH, LAYERS = 256, 4
 IMAGE_EDGE = 256  # pixels a side: 1024 image tokens at 8 px per merged token
@@ -157,10 +159,12 @@ def main() -> None:
                 *([f"data.max_pixels={MAX_PIXELS}"] if "max_pixels" in on else []),
                 *([f"data.max_length={max_length}"] if "max_length" in on else []),
             ]
-            cfg = common.config(model_dir, train_file, work, name.replace(" ", "-"), *overrides)
+            cfg = tiny_run_config(
+                model_dir, train_file, work, name.replace(" ", "-"), common.NO_CHECKPOINTS, *overrides
+            )
             full = "answer_only_logits" not in on
             start = time.perf_counter()
-            ranks = common.on_workers(
+            ranks = on_workers(
                 lambda cfg=cfg, full=full: measure_on_rank(cfg, full, steps), work, cfg.run.name
             )
             step_peaks = [r["peak_rss_mb"] - r["rss_before_mb"] for r in ranks]

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import common
 
+from tests.support import tiny_run_config
+
 
 def main() -> None:
-    from raylora.config import storage_path
     from raylora.driver import make_trainer, preflight
-    from raylora.progress import run_folder
 
     p = common.parser(__doc__)
     p.add_argument("--kill-at", type=int, default=None, help="step K of the drill, odd (default 5, --tiny 3)")
@@ -43,7 +43,7 @@ def main() -> None:
     resumed_from, load = [], []
     with common.local_ray():
         for rep in range(reps):
-            cfg = common.config(
+            cfg = tiny_run_config(
                 model,
                 data,
                 work / "ray",
@@ -63,8 +63,8 @@ def main() -> None:
             rows = common.read_clock(clock)
             first = next(r for r in rows if r["restarts"] == 0)
             after = next(r for r in rows if r["restarts"] >= 1)
-            _, folder = run_folder(storage_path(cfg), cfg.run.name)
-            died = (Path(folder) / f".raylora-drill-step{kill_at}").stat().st_mtime
+            marker = Path(cfg.run.storage_path) / cfg.run.name / f".raylora-drill-step{kill_at}"
+            died = marker.stat().st_mtime
             cold, recovery = first["t"] - started, after["t"] - died
             samples["cold_start_s"].append(cold)
             samples["recovery_s"].append(recovery)

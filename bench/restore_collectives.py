@@ -20,6 +20,8 @@ from pathlib import Path
 
 import common
 
+from tests.support import on_workers, read_params, tiny_run_config
+
 
 def _gathered_write(params: list, values: dict, names: list[str]) -> None:
     import deepspeed
@@ -95,7 +97,7 @@ def probe(variants: list, out_dir: str, reps: int) -> list[dict]:
                 if zero.is_partitioned(p):
                     p.ds_tensor.data.fill_(float("nan"))
             rows["raylora"].append(common.counted_time(counter, lambda: real_load(params, values))[:2])
-            check = zero.read_params(params)  # outside the count
+            check = read_params(params)  # outside the count
             info["raylora_load_exact"] = all(torch.equal(check[n], values[n].float()) for n in params)
             info["module_groups"] = len({arch.part_of(n) for n in params})
             info["lora_tensors"] = sum(is_lora(n) for n in params)
@@ -131,12 +133,22 @@ def variants(args, work: Path) -> list:
     data = common.digits(args.work)
     small = common.tiny_model(args.work, width, layers)
     out = [
-        ("q_proj only", common.config(small, data, work / "ray", "restore", "lora.target_modules=[q_proj]")),
-        ("every linear", common.config(small, data, work / "ray", "restore")),
+        (
+            "q_proj only",
+            tiny_run_config(
+                small, data, work / "ray", "restore", common.NO_CHECKPOINTS, "lora.target_modules=[q_proj]"
+            ),
+        ),
+        ("every linear", tiny_run_config(small, data, work / "ray", "restore", common.NO_CHECKPOINTS)),
     ]
     if not args.tiny:
         deep = common.tiny_model(args.work, width, 2 * layers)
-        out.append((f"every linear, {2 * layers} layers", common.config(deep, data, work / "ray", "restore")))
+        out.append(
+            (
+                f"every linear, {2 * layers} layers",
+                tiny_run_config(deep, data, work / "ray", "restore", common.NO_CHECKPOINTS),
+            )
+        )
     return out
 
 
@@ -147,7 +159,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     runs = variants(args, work)
     with common.local_ray():
-        report = common.on_workers(lambda: probe(runs, str(work / "out"), reps), work / "ray", "restore")
+        report = on_workers(lambda: probe(runs, str(work / "out"), reps), work / "ray", "restore")
 
     rows = []
     for v in report:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import common
 
+from tests.support import on_workers, tiny_run_config
+
 
 def probe(runs: list, out_dir: str, reps: int) -> list[dict]:
     import torch.distributed as dist
@@ -140,18 +142,19 @@ def main() -> None:
         runs.append(
             (
                 f"width {w}",
-                common.config(
+                tiny_run_config(
                     model,
                     data,
                     work / "ray",
                     "scale",
+                    common.NO_CHECKPOINTS,
                     "train.freeze_vision=true",
                     "train.freeze_aligner=true",
                 ),
             )
         )
     with common.local_ray():
-        report = common.on_workers(lambda: probe(runs, str(work / "out"), reps), work / "ray", "scale")
+        report = on_workers(lambda: probe(runs, str(work / "out"), reps), work / "ray", "scale")
 
     rows = []
     for v in report:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import common
 
+from tests.support import tiny_run_config
+
 THREADS = 1  # Ray sets OMP_NUM_THREADS=1 for a worker that holds 1 CPU; the plain processes match it
 
 
@@ -72,7 +74,7 @@ def measure(args, work: Path, width: int, layers: int, steps: int, warmup: int, 
     model, data = common.tiny_model(args.work, width, layers), common.digits(args.work)
 
     def cfg(name: str):
-        return common.config(
+        return tiny_run_config(
             model, data, work / "ray", name, f"train.max_steps={steps}", f"train.checkpoint_every={steps}"
         )
 

@@ -58,41 +58,6 @@ def make_tiny_model(out_dir: str | Path, arch: str, width: int = 64, layers: int
     return out
 
 
-def tiny_run_config(
-    model_dir: str | Path, train_file: str | Path, storage: str | Path, name: str, *overrides: str
-):
-    """The small run that raylora's tests and benchmarks train: fully partitioned ZeRO-3 on 2 workers
-    (persistence threshold 0), LoRA r=4 with dropout, vision tower and aligner trained, 6 steps, a
-    checkpoint every 2; `overrides` (dotted `key=value`) come last and win."""
-    from raylora import config
-
-    return config.load(
-        None,
-        [
-            f"model.path={model_dir}",
-            f"data.train={train_file}",
-            f"run.storage_path={storage}",
-            f"run.name={name}",
-            "train.max_steps=6",
-            "train.global_batch_size=8",
-            "train.micro_batch_size=2",
-            "train.lr=1e-3",
-            "train.warmup_steps=2",
-            "train.checkpoint_every=2",
-            "train.freeze_vision=false",
-            "train.freeze_aligner=false",
-            "train.param_persistence_threshold=0",
-            "lora.r=4",
-            "lora.alpha=8",
-            "lora.dropout=0.1",
-            "scaling.num_workers=2",
-            "run.max_failures=2",
-            "run.num_to_keep=10",
-            *overrides,
-        ],
-    )
-
-
 def _png(pixels: np.ndarray) -> bytes:
     # The digits are 8x8 with values 0..16; scale to 0..255 grey and save as RGB PNG bytes.
     grey = (pixels.reshape(8, 8) * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)

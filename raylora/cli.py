@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
+from raylora import console
 from raylora.config import ConfigError
 
 
@@ -188,8 +188,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s raylora %(message)s")
     args = parser().parse_args(argv)
+    console.setup_logging(verbose=getattr(args, "verbose", False))
     try:
         return args.fn(args)
     except ConfigError as err:

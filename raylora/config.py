@@ -17,6 +17,8 @@ from typing import Any
 import pydantic
 import yaml
 
+from raylora import storage
+
 
 class ConfigError(ValueError):
     """Bad configuration or input, found before any expensive work starts (the CLI exits with 2)."""
@@ -283,11 +285,30 @@ def _config_error(err: pydantic.ValidationError) -> ConfigError:
 
 
 def from_dict(data: dict[str, Any]) -> Config:
-    """Build a `Config` from nested plain data; unknown keys and wrong types raise `ConfigError`."""
+    """Build a `Config` from nested plain data; unknown keys and wrong types raise `ConfigError`.
+
+    Local paths come out absolute (`_absolute_paths`), so that nothing needs to change the config later.
+    """
     try:
-        return _CHECK.validate_python(_yaml_quirks(Config, data or {}, ""))
+        cfg = _CHECK.validate_python(_yaml_quirks(Config, data or {}, ""))
     except pydantic.ValidationError as err:
         raise _config_error(err) from None
+    return _absolute_paths(cfg)
+
+
+def _absolute_paths(cfg: Config) -> Config:
+    """`cfg` with its local paths absolute (URIs as they are), made where the config is loaded: the
+    workers run on other nodes and in other working directories."""
+    model, data, run = cfg.model, cfg.data, cfg.run
+    if os.path.isdir(model.path):  # a Hub id (`org/name`) is no folder here: each node resolves it
+        model = dataclasses.replace(model, path=os.path.abspath(model.path))
+    data = dataclasses.replace(
+        data,
+        train=storage.absolute(data.train) if data.train else data.train,  # empty: validate() names it
+        eval=storage.absolute(data.eval) if data.eval else data.eval,
+    )
+    run = dataclasses.replace(run, storage_path=storage.absolute(run.storage_path))
+    return dataclasses.replace(cfg, model=model, data=data, run=run)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -452,12 +473,6 @@ def _validate_memory(cfg: Config) -> None:
         raise ConfigError(f"data.min_pixels must be positive when set, got {d.min_pixels}")
     if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
         raise ConfigError(f"data.min_pixels ({d.min_pixels}) exceeds data.max_pixels ({d.max_pixels})")
-
-
-def storage_path(cfg: Config) -> str:
-    """Ray wants an absolute local path or a URI."""
-    path = cfg.run.storage_path
-    return path if "://" in path else os.path.abspath(path)
 
 
 def markdown_reference() -> str:

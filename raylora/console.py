@@ -14,8 +14,20 @@ FORMAT = "%(asctime)s raylora %(message)s"
 
 
 def setup_logging(verbose: bool) -> None:
-    """raylora's own lines at INFO; in a worker, Ray Train's report lines and library warnings quieted."""
+    """raylora's own lines at INFO; unless `verbose`, the libraries' warnings and chatter quieted."""
     logging.basicConfig(level=logging.INFO, format=FORMAT)
+    if verbose:
+        return
+    for module in ("torch", "transformers", "deepspeed", "peft"):
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def setup_worker_logging(verbose: bool) -> None:
+    """`setup_logging`, and in a Ray Train worker its per-report and per-upload lines quieted."""
+    setup_logging(verbose)
     if verbose:
         return
     # Ray Train 2.60 names this logger by its file path (`logging.getLogger(__file__)`), so it is reached
@@ -23,8 +35,4 @@ def setup_logging(verbose: bool) -> None:
     from ray.train.v2._internal.execution import context
 
     context.logger.setLevel(logging.WARNING)
-    for module in ("torch", "transformers", "deepspeed", "peft"):
-        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
-        warnings.filterwarnings("ignore", category=DeprecationWarning, module=module)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("ray.train.v2._internal.execution.storage").setLevel(logging.WARNING)  # per upload

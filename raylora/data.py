@@ -18,20 +18,15 @@ import torch
 from PIL import Image
 
 from raylora.config import ConfigError
+from raylora.storage import filesystem
 
 REQUIRED_COLUMNS = ("image", "prompt", "answer")
 IGNORE_INDEX = -100  # labels PyTorch's cross-entropy skips: prompt, image and padding tokens
 
 
-def _resolve(uri: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    if "://" in uri:
-        return pyarrow.fs.FileSystem.from_uri(uri)
-    return pyarrow.fs.LocalFileSystem(), str(uri)
-
-
 def check_parquet(uri: str, key: str) -> int:
     """Fail early, naming `key` and the file, if the Parquet file is missing or lacks a needed column."""
-    fs, path = _resolve(uri)
+    fs, path = filesystem(uri)
     try:
         info = fs.get_file_info(path)
     except (OSError, pa.ArrowException) as err:
@@ -83,7 +78,7 @@ class ImageTextData:
     """
 
     def __init__(self, uri: str, on_bad_row: str = "skip"):
-        fs, path = _resolve(uri)
+        fs, path = filesystem(uri)
         table = pq.read_table(path, filesystem=fs, columns=list(REQUIRED_COLUMNS))
         self.uri = uri
         images = table.column("image").to_pylist()

@@ -17,8 +17,8 @@ import signal
 
 import pyarrow.fs
 
-from raylora.config import Config, storage_path
-from raylora.progress import run_folder
+from raylora.config import Config
+from raylora.storage import run_folder
 
 log = logging.getLogger("raylora")
 
@@ -33,7 +33,7 @@ def maybe_kill(cfg: Config, step: int, rank: int, while_checkpointing: bool = Fa
     steps = f.kill_checkpoint_steps if while_checkpointing else f.kill_at_steps
     if step not in steps or rank != f.kill_rank:
         return
-    fs, folder = run_folder(storage_path(cfg), cfg.run.name)
+    fs, folder = run_folder(cfg.run.storage_path, cfg.run.name)
     kind = "checkpoint" if while_checkpointing else "step"
     marker = posixpath.join(folder, f".raylora-drill-{kind}{step}")
     if fs.get_file_info(marker).type != pyarrow.fs.FileType.NotFound:
@@ -52,7 +52,7 @@ def maybe_read_error(cfg: Config, rank: int, path: str) -> None:
     f = cfg.fault
     if not f.read_errors or rank != f.read_error_rank:
         return
-    fs, folder = run_folder(storage_path(cfg), cfg.run.name)
+    fs, folder = run_folder(cfg.run.storage_path, cfg.run.name)
     marker = posixpath.join(folder, ".raylora-drill-read-errors")
     fired = 0
     if fs.get_file_info(marker).type == pyarrow.fs.FileType.File:

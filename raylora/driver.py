@@ -12,9 +12,9 @@ import ray.train
 from ray.exceptions import RayActorError
 from ray.train.torch import TorchTrainer
 
-from raylora import hub
+from raylora import hub, storage
 from raylora.arch import Architecture, detect
-from raylora.config import Config, ConfigError, storage_path
+from raylora.config import Config, ConfigError
 from raylora.data import ImageTextData, check_parquet
 from raylora.failures import EndOnPermanentError, PermanentError
 from raylora.processor import check_image_caps
@@ -64,9 +64,9 @@ def preflight(cfg: Config) -> Architecture:
 
 def metric_callbacks(cfg: Config) -> list:
     """Where the per-step metrics go: the run folder's log always; TensorBoard, MLflow, W&B when asked."""
-    callbacks = [MetricsLog(storage_path(cfg), cfg.run.name)]
+    callbacks = [MetricsLog(cfg.run.storage_path, cfg.run.name)]
     if cfg.run.tensorboard:
-        root = storage_path(cfg) if "://" not in storage_path(cfg) else os.path.abspath("runs")
+        root = os.path.abspath("runs") if storage.is_uri(cfg.run.storage_path) else cfg.run.storage_path
         callbacks.append(TensorBoardLog(os.path.join(root, cfg.run.name, "tensorboard")))
     params = {f"{s}.{k}": v for s, sec in redact(cfg.to_dict()).items() for k, v in sec.items()}
     if cfg.run.mlflow_tracking_uri:
@@ -77,13 +77,9 @@ def metric_callbacks(cfg: Config) -> list:
 
 
 def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
-    """A TorchTrainer whose run resumes from its latest checkpoint when one with this name exists."""
-    if Path(cfg.model.path).is_dir():  # the workers run elsewhere; a Hub id is resolved on each node
-        cfg.model.path = os.path.abspath(cfg.model.path)
-    for key in ("train", "eval"):
-        uri = getattr(cfg.data, key)
-        if uri and "://" not in uri:
-            setattr(cfg.data, key, os.path.abspath(uri))
+    """A TorchTrainer whose run resumes from its latest checkpoint when one with this name exists.
+
+    `cfg` crosses to the workers as it is: `config.load` already made its local paths absolute."""
     return TorchTrainer(
         lambda: train_loop_per_worker(cfg),
         scaling_config=ray.train.ScalingConfig(
@@ -93,7 +89,7 @@ def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
         ),
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
-            storage_path=storage_path(cfg),
+            storage_path=cfg.run.storage_path,
             failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
             # last, so that the metrics callbacks still see the error that ends the run

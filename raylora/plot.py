@@ -12,7 +12,8 @@ import io
 import posixpath
 
 from raylora.config import ConfigError
-from raylora.progress import METRICS_FILE, read_metrics, run_folder
+from raylora.progress import METRICS_FILE, read_metrics
+from raylora.storage import run_folder
 
 
 def restart_steps(rows: list[dict]) -> list[int]:

@@ -20,6 +20,8 @@ import time
 import pyarrow.fs
 from ray.train import UserCallback
 
+from raylora.storage import run_folder
+
 METRICS_FILE = "raylora_metrics.jsonl"
 log = logging.getLogger("raylora")
 
@@ -37,15 +39,6 @@ def never_fatal(method):
                 self._warned = True
 
     return wrapper
-
-
-def run_folder(storage_path: str, name: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    """The filesystem and path of a run's folder, for a local path or a URI."""
-    if "://" in storage_path:
-        fs, root = pyarrow.fs.FileSystem.from_uri(storage_path)
-    else:
-        fs, root = pyarrow.fs.LocalFileSystem(), storage_path
-    return fs, posixpath.join(root, name)
 
 
 def read_metrics(storage_path: str, name: str) -> list[dict]:

@@ -30,10 +30,10 @@ import pyarrow.fs
 import ray.train
 
 from raylora import checkpoint, hub
-from raylora.config import Config, ConfigError, storage_path
+from raylora.config import Config, ConfigError
 from raylora.data import check_parquet
 from raylora.drills import maybe_read_error
-from raylora.progress import run_folder
+from raylora.storage import run_folder
 
 log = logging.getLogger("raylora")
 
@@ -204,7 +204,7 @@ def latest_state(cfg: Config) -> tuple[str, checkpoint.TrainState] | None:
 
     A checkpoint written in a newer format than this raylora reads is refused (`ConfigError`).
     """
-    fs, run_dir = run_folder(storage_path(cfg), cfg.run.name)
+    fs, run_dir = run_folder(cfg.run.storage_path, cfg.run.name)
     for path in reversed(_checkpoint_folders(fs, run_dir)):
         try:
             return path, checkpoint.read_state(path, fs)
@@ -218,7 +218,7 @@ def latest_state(cfg: Config) -> tuple[str, checkpoint.TrainState] | None:
 def staging_folder(cfg: Config) -> Path:
     """This node's folder for the checkpoints rank 0 writes before Ray uploads them: one per run (storage
     path and name), so that an attempt removes what a crashed one left without touching another run's."""
-    key = hashlib.sha256(f"{storage_path(cfg)}/{cfg.run.name}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{cfg.run.storage_path}/{cfg.run.name}".encode()).hexdigest()[:12]
     return Path(tempfile.gettempdir()) / "raylora-staging" / f"{cfg.run.name}-{key}"
 
 
@@ -278,7 +278,7 @@ def remove_leftovers(cfg: Config, rank: int) -> None:
     if rank != 0:
         return
     try:
-        removed = remove_partial_uploads(*run_folder(storage_path(cfg), cfg.run.name))
+        removed = remove_partial_uploads(*run_folder(cfg.run.storage_path, cfg.run.name))
     except OSError as err:  # storage unreachable now: the next attempt cleans up
         log.warning("could not clear partial checkpoint uploads: %s", err)
         return

@@ -14,7 +14,6 @@ The search space is YAML: dotted config keys mapped to one Tune sampler each, e.
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import yaml
 from ray import tune
 
 from raylora import config
-from raylora.config import ConfigError, storage_path
+from raylora.config import ConfigError
 
 log = logging.getLogger("raylora")
 
@@ -60,8 +59,8 @@ def load_space(path: str | Path, base: config.Config) -> dict[str, Any]:
 def trial_config(base: dict[str, Any], sample: dict[str, Any], trial_id: str) -> config.Config:
     """The run config of one trial: base plus its sampled values, named after the trial id."""
     data = config.apply_overrides(_copy(base), [f"{k}={_yaml(v)}" for k, v in sample.items()])
+    data["run"]["name"] = f"{data['run']['name']}-{trial_id}"
     cfg = config.from_dict(data)
-    cfg.run.name = f"{cfg.run.name}-{trial_id}"
     config.validate(cfg)
     return cfg
 
@@ -91,7 +90,7 @@ def make_driver(base: dict[str, Any]):
 
 
 def experiment_path(cfg: config.Config) -> str:
-    return posixpath.join(storage_path(cfg), f"{cfg.run.name}-tune")
+    return posixpath.join(cfg.run.storage_path, f"{cfg.run.name}-tune")
 
 
 def run_tune(
@@ -110,12 +109,7 @@ def run_tune(
 
     base_cfg = config.load(config_path, overrides)
     preflight(base_cfg)
-    base = base_cfg.to_dict()
-    for key in ("train", "eval"):  # trials may run in another working directory
-        if base["data"][key] and "://" not in base["data"][key]:
-            base["data"][key] = os.path.abspath(base["data"][key])
-    if os.path.isdir(base["model"]["path"]):  # a Hub id stays as it is: each node resolves it
-        base["model"]["path"] = os.path.abspath(base["model"]["path"])
+    base = base_cfg.to_dict()  # local paths already absolute: trials run in other working directories
     if not resume and space_path is None:
         raise ConfigError("raylora tune needs --space SPACE.yaml (or --resume)")
     space = load_space(space_path, base_cfg) if space_path else {}

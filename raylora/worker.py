@@ -24,7 +24,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from raylora import checkpoint, console, failures, hub, resume, zero
 from raylora.arch import Architecture, detect
-from raylora.config import Config, storage_path
+from raylora.config import Config
 from raylora.data import GlobalSampler, ImageTextData, answer_ids, check_max_length, limit_length
 from raylora.drills import maybe_kill
 from raylora.evaluate import evaluate_sharded
@@ -65,7 +65,7 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
     # from_pretrained needs it to know the world size.
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
-    started = [count_attempt(storage_path(cfg), cfg.run.name) if rank == 0 else 0]
+    started = [count_attempt(cfg.run.storage_path, cfg.run.name) if rank == 0 else 0]
     dist.broadcast_object_list(started, src=0)
     arch = detect(hub.resolve(cfg.model.path, cfg.model.revision), cfg.model.arch)
     ds_config = zero.deepspeed_config(cfg, world)
@@ -225,7 +225,7 @@ def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
 
 def train_loop_per_worker(cfg: Config) -> list[dict]:
     """Ray Train entry point. Returns this attempt's per-step metrics (from rank 0)."""
-    console.setup_logging(cfg.run.verbose)
+    console.setup_worker_logging(cfg.run.verbose)
     # Ray Train has set up the process group before this function runs.
     rank = dist.get_rank()
     try:

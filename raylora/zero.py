@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -199,13 +198,3 @@ def set_trainable_state(
             dest = dest_flat.data.narrow(0, offset, length)
             dest.zero_()  # the padding past the parameter's end stays zero, as DeepSpeed keeps it
             dest[: chunk.numel()].copy_(chunk.to(dest.dtype))
-
-
-def read_params(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
-    """Full copies of the model's (not the optimizer's) parameter values, gathered per call; every rank."""
-    out = {}
-    partitioned = [p for p in params.values() if is_partitioned(p)]
-    with deepspeed.zero.GatheredParameters(partitioned):
-        for name, param in params.items():
-            out[name] = param.detach().float().cpu().clone()
-    return out

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from raylora.assets import make_digits, make_tiny_model
+from tests.support import use_ray_test_env
 
-os.environ.setdefault("RAY_AUTH_MODE", "token")  # Ray's default; explicit so tests do not depend on ~/.ray
+use_ray_test_env()
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,108 @@
-"""Helpers the tests share that are not fixtures."""
+"""What the tests and the benchmarks share that is not a fixture: the Ray they start, the tiny run they
+train, a probe that runs a function on Ray Train workers, and readers of what a run wrote.
+
+bench/ imports this module too (bench/common.py puts the repository root on sys.path); nothing here is
+part of raylora's training path.
+"""
 
 from __future__ import annotations
 
+import os
 import struct
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# Ray's default, explicit so that a test or benchmark does not depend on what ~/.ray holds.
+RAY_TEST_ENV = {"RAY_AUTH_MODE": "token"}
+
+
+def use_ray_test_env() -> None:
+    """Put RAY_TEST_ENV into this process's environment, where it does not set those variables itself."""
+    for key, value in RAY_TEST_ENV.items():
+        os.environ.setdefault(key, value)
+
+
+def start_ray(num_cpus: int | None = None, env_vars: dict[str, str] | None = None, address: str = "local"):
+    """Start a Ray of the caller's own (`address="local"`) or connect to `address` (a
+    `ray.cluster_utils.Cluster`'s), its workers with raylora's runtime env plus `env_vars`; returns `ray`."""
+    import ray
+
+    from raylora.driver import RAY_ENV
+
+    use_ray_test_env()
+    cpus = {} if num_cpus is None else {"num_cpus": num_cpus}  # connecting to a cluster takes no count
+    ray.init(address=address, runtime_env={"env_vars": {**RAY_ENV, **(env_vars or {})}}, **cpus)
+    return ray
+
+
+def tiny_run_config(
+    model_dir: str | Path, train_file: str | Path, storage: str | Path, name: str, *overrides: str
+):
+    """The small run that the tests and benchmarks train: fully partitioned ZeRO-3 on 2 workers
+    (persistence threshold 0), LoRA r=4 with dropout, vision tower and aligner trained, 6 steps, a
+    checkpoint every 2; `overrides` (dotted `key=value`) come last and win."""
+    from raylora import config
+
+    return config.load(
+        None,
+        [
+            f"model.path={model_dir}",
+            f"data.train={train_file}",
+            f"run.storage_path={storage}",
+            f"run.name={name}",
+            "train.max_steps=6",
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            "train.lr=1e-3",
+            "train.warmup_steps=2",
+            "train.checkpoint_every=2",
+            "train.freeze_vision=false",
+            "train.freeze_aligner=false",
+            "train.param_persistence_threshold=0",
+            "lora.r=4",
+            "lora.alpha=8",
+            "lora.dropout=0.1",
+            "scaling.num_workers=2",
+            "run.max_failures=2",
+            "run.num_to_keep=10",
+            *overrides,
+        ],
+    )
+
+
+def on_workers(
+    fn: Callable[[], Any], storage: str | Path, name: str, num_workers: int = 2, use_gpu: bool = False
+) -> Any:
+    """Run `fn()` on `num_workers` Ray Train workers (gloo on CPU, NCCL with `use_gpu`, as raylora
+    trains); returns rank 0's return value."""
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        fn,
+        scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
+        run_config=ray.train.RunConfig(name=name, storage_path=str(Path(storage).resolve())),
+    )
+    return trainer.fit().return_value
+
+
+def read_params(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
+    """Full copies of the model's (not the optimizer's) parameter values, gathered per call, in fp32 on
+    the CPU; every rank."""
+    import deepspeed
+
+    from raylora.zero import is_partitioned
+
+    out = {}
+    partitioned = [p for p in params.values() if is_partitioned(p)]
+    with deepspeed.zero.GatheredParameters(partitioned):
+        for name, param in params.items():
+            out[name] = param.detach().float().cpu().clone()
+    return out
 
 
 def wandb_history(wandb_dir: str | Path) -> list[dict[str, str]]:

@@ -11,18 +11,17 @@ import math
 import re
 
 import pytest
-import ray.train
 import torch
 import torch.nn.functional as F
-from ray.train.torch import TorchTrainer
 from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint
 from raylora.arch import REGISTRY, Architecture, detect, lora_target_regex
-from raylora.assets import TINY_ARCHS, tiny_run_config
+from raylora.assets import TINY_ARCHS
 from raylora.data import IGNORE_INDEX, ImageTextData, make_batch
 from raylora.driver import run
 from raylora.processor import load_processor
+from tests.support import on_workers, tiny_run_config
 from tests.test_resume import _restore_probe
 
 PARTS = ("language_model", "vision_tower", "aligner")
@@ -106,12 +105,7 @@ def test_zero3_two_steps_then_restore_equals_checkpoint(arch, ray_cluster, tiny_
         trained = {entry.part_of(n) for n in loaded.state.trainable}
         assert trained == set(PARTS), f"trained parts {trained}: LoRA, vision tower and aligner expected"
         cfg = tiny_run_config(model_dir, digits[0], tmp_path, f"probe-{arch}", *overrides)
-        trainer = TorchTrainer(
-            lambda: _restore_probe(cfg, folder),
-            scaling_config=ray.train.ScalingConfig(num_workers=2),
-            run_config=ray.train.RunConfig(name=f"probe-{arch}", storage_path=str(tmp_path)),
-        )
-        probe = trainer.fit().return_value
+        probe = on_workers(lambda: _restore_probe(cfg, folder), tmp_path, f"probe-{arch}")
     assert probe["step"] == 2
     assert probe["lr"] == loaded.state.scheduler["_last_lr"][0]
     assert probe["moments_nonzero"]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import RAY_TEST_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 RAY_SCRIPTS = [
     "checkpoint_size",
@@ -28,7 +30,7 @@ RAY_SCRIPTS = [
 
 def _run(script: str, tmp_path: Path) -> dict:
     out, work = tmp_path / "results", tmp_path / "work"
-    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    env = {**os.environ, **RAY_TEST_ENV}
     proc = subprocess.run(
         [
             sys.executable,

@@ -9,13 +9,11 @@ must equal the uninterrupted one bit for bit.
 from __future__ import annotations
 
 import pytest
-import ray.train
 import torch
-from ray.train.torch import TorchTrainer
 
 from raylora import checkpoint
-from raylora.assets import tiny_run_config
 from raylora.driver import run
+from tests.support import on_workers, read_params, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -78,7 +76,7 @@ def _bf16_probe(cfg, folder: str) -> dict:
 
     loaded = checkpoint.load(folder)
     s = setup(cfg, loaded)
-    model_values = {n: p for n, p in zero.read_params(s.params).items()}
+    model_values = {n: p for n, p in read_params(s.params).items()}
     dtypes = {str(p.dtype) for p in s.params.values()}
     gathered = zero.gather_trainable_state(s.engine, s.params)
     if s.rank != 0:
@@ -101,12 +99,7 @@ def test_bf16_restore_keeps_fp32_masters_and_accumulates_in_fp32(runs, tmp_path)
     mid = runs["straight"].best_checkpoints[0][0]  # the step-2 checkpoint
     cfg = tiny_run_config(runs["model_dir"], runs["digits"], tmp_path, "probe", BF16)
     with mid.as_directory() as folder:
-        trainer = TorchTrainer(
-            lambda: _bf16_probe(cfg, folder),
-            scaling_config=ray.train.ScalingConfig(num_workers=2),
-            run_config=ray.train.RunConfig(name="probe", storage_path=str(tmp_path)),
-        )
-        probe = trainer.fit().return_value
+        probe = on_workers(lambda: _bf16_probe(cfg, folder), tmp_path, "probe")
     assert probe["param_dtypes"] == ["torch.bfloat16"], "LoRA and trained modules should share bf16"
     assert probe["grad_accum_dtype"] == "torch.float32"
     assert probe["communication_dtype"] == "torch.float32"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -93,3 +95,43 @@ def test_cli_exits_2_naming_the_problem(tmp_path):
         text=True,
     )
     assert proc.returncode == 2 and "unknown config key train.bogus" in proc.stderr
+
+
+def test_load_makes_local_paths_absolute_and_keeps_hub_ids_and_uris(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model: {path: model}\n"
+        "data: {train: d/train.parquet, eval: d/eval.parquet}\n"
+        "run: {storage_path: out}\n"
+    )
+    cfg = config.load(path)
+    here = Path.cwd()
+    assert cfg.model.path == str(here / "model")
+    assert (cfg.data.train, cfg.data.eval) == (str(here / "d/train.parquet"), str(here / "d/eval.parquet"))
+    assert cfg.run.storage_path == str(here / "out")
+
+    remote = ["data.train=s3://bucket/train.parquet", "data.eval=gs://bucket/eval.parquet"]
+    cfg = config.load(None, ["model.path=org/name", *remote, "run.storage_path=s3://bucket/runs"])
+    assert cfg.model.path == "org/name"  # a Hub id: each node resolves it through its own cache
+    assert (cfg.data.train, cfg.data.eval) == ("s3://bucket/train.parquet", "gs://bucket/eval.parquet")
+    assert cfg.run.storage_path == "s3://bucket/runs"
+
+
+def test_make_trainer_leaves_the_config_as_it_is(tmp_path, monkeypatch):
+    from raylora.driver import make_trainer
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    loaded = config.load(None, ["model.path=model", "data.train=t.parquet", "data.eval=e.parquet"])
+    # Relative paths, as a config that bypassed `config.load` would hold: the trainer must not fix them up.
+    cfg = dataclasses.replace(
+        loaded,
+        model=dataclasses.replace(loaded.model, path="model"),
+        data=dataclasses.replace(loaded.data, train="t.parquet", eval="e.parquet"),
+    )
+    for c in (loaded, cfg):
+        before = c.to_dict()
+        make_trainer(c)
+        assert c.to_dict() == before

@@ -42,10 +42,10 @@ def test_demo_survives_a_killed_worker_and_writes_its_summary(ray_cluster, tmp_p
 
 
 def test_evaluation_during_training_and_metric_sinks(ray_cluster, tiny_models, digits, tmp_path, monkeypatch):
-    from raylora.assets import tiny_run_config
     from raylora.driver import run
     from raylora.evaluate import evaluate, load_for_inference
     from raylora.progress import read_metrics
+    from tests.support import tiny_run_config
 
     cfg = tiny_run_config(
         tiny_models("llava"),

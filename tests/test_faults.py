@@ -16,11 +16,11 @@ import torch
 from ray.train import TrainingFailedError
 
 from raylora import checkpoint
-from raylora.assets import tiny_run_config
 from raylora.config import ConfigError
 from raylora.driver import run
 from raylora.failures import PermanentError
 from raylora.progress import read_metrics
+from tests.support import tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -10,13 +10,11 @@ tiny Llava and Qwen2-VL. Each check prints one line (`pytest -v`):
 from __future__ import annotations
 
 import pytest
-import ray.train
 import torch
-from ray.train.torch import TorchTrainer
 
 from raylora import checkpoint
-from raylora.assets import tiny_run_config
 from raylora.driver import run
+from tests.support import on_workers, tiny_run_config
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORKERS = min(GPUS, 2)
@@ -65,12 +63,9 @@ def _collective_probe(cfg) -> dict:
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
 def test_gpu_collectives_on_nccl_in_bf16(arch, ray_cluster, tiny_models, digits, tmp_path):
     cfg = tiny_run_config(tiny_models(arch), digits[0], tmp_path, f"gpu-probe-{arch}", *_overrides())
-    trainer = TorchTrainer(
-        lambda: _collective_probe(cfg),
-        scaling_config=ray.train.ScalingConfig(num_workers=WORKERS, use_gpu=True),
-        run_config=ray.train.RunConfig(name=f"gpu-probe-{arch}", storage_path=str(tmp_path)),
+    info = on_workers(
+        lambda: _collective_probe(cfg), tmp_path, f"gpu-probe-{arch}", num_workers=WORKERS, use_gpu=True
     )
-    info = trainer.fit().return_value
     assert info["backend"] == "nccl"
     assert info["device"].startswith("cuda")
     assert info["dtypes"] == ["torch.bfloat16"]

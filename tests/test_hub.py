@@ -17,10 +17,10 @@ import pytest
 from huggingface_hub import constants
 
 from raylora import checkpoint, hub
-from raylora.assets import tiny_run_config
 from raylora.config import ConfigError
 from raylora.driver import preflight, run
 from raylora.resume import base_model_fingerprint, check_resume
+from tests.support import start_ray, tiny_run_config
 
 REPO = "tiny-org/tiny-llava"
 
@@ -154,12 +154,10 @@ def offline_ray(hub_cache):
     """A Ray of this module's own whose workers see the offline Hub cache (HF_HOME, HF_HUB_OFFLINE)."""
     import ray
 
-    from raylora.driver import RAY_ENV
-
     with pytest.MonkeyPatch.context() as mp:
         env = offline(mp, hub_cache[0])
         ray.shutdown()  # a Ray started by an earlier module has no Hub cache in its workers' environment
-        ray.init(address="local", num_cpus=4, runtime_env={"env_vars": {**RAY_ENV, **env}})
+        start_ray(num_cpus=4, env_vars=env)
         yield hub_cache
         ray.shutdown()  # the next module's ray_cluster starts a Ray without it
 

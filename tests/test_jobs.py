@@ -17,6 +17,7 @@ import pytest
 
 from raylora import checkpoint
 from raylora.progress import read_metrics
+from tests.support import RAY_TEST_ENV
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -31,9 +32,8 @@ def _free_port() -> int:
 
 
 def _env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env = {**RAY_TEST_ENV, **{k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}}
     env["PATH"] = f"{BIN}:{env['PATH']}"
-    env.setdefault("RAY_AUTH_MODE", "token")
     return env
 
 

@@ -17,13 +17,14 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from raylora import checkpoint, config
 from raylora.arch import detect
-from raylora.assets import PROMPT, TINY_ARCHS, tiny_run_config
+from raylora.assets import PROMPT, TINY_ARCHS
 from raylora.config import ConfigError
 from raylora.data import IGNORE_INDEX, ImageTextData, check_max_length, limit_length, make_batch
 from raylora.driver import preflight
 from raylora.loss import answer_token_losses
 from raylora.model import add_lora, base_name, prepare_for_training, set_trainable
 from raylora.processor import load_processor
+from tests.support import tiny_run_config
 
 LONG_PROMPT = " ".join([PROMPT] * 4)
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from raylora import checkpoint
-from raylora.assets import tiny_run_config
 from raylora.progress import read_metrics
+from tests.support import start_ray, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -19,13 +19,11 @@ def cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    from raylora.driver import RAY_ENV
-
     ray.shutdown()  # the other tests' single-node Ray
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     nodes = [c.add_node(num_cpus=1) for _ in range(3)]
     c.wait_for_nodes()
-    ray.init(address=c.address, runtime_env={"env_vars": RAY_ENV})
+    start_ray(address=c.address)
     yield c, nodes
     ray.shutdown()
     c.shutdown()

@@ -15,19 +15,17 @@ from pathlib import Path
 
 import peft
 import pytest
-import ray.train
 import torch
-from ray.train.torch import TorchTrainer
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint, cli, config
-from raylora.assets import tiny_run_config
 from raylora.data import ImageTextData, make_batch
 from raylora.driver import preflight, run
 from raylora.evaluate import load_for_inference
 from raylora.model import add_lora, base_name, set_trainable, trainable_parameters
 from raylora.processor import load_processor
+from tests.support import on_workers, tiny_run_config
 from tests.test_resume import _restore_probe
 
 RUNS = {
@@ -49,16 +47,12 @@ def trained(request, ray_cluster, tiny_models, digits, tmp_path_factory):
     folder = result.best_checkpoints[0][0].path  # step 2, mid-schedule: moments are nonzero
     examples = [ImageTextData(str(digits[1])).example(i) for i in range(3)]
     probe_cfg = tiny_run_config(model_dir, digits[0], storage, "probe", *SHORT, *RUNS[name])
-    probe = TorchTrainer(
-        lambda: _restore_probe(probe_cfg, folder, examples),
-        scaling_config=ray.train.ScalingConfig(num_workers=2),
-        run_config=ray.train.RunConfig(name="probe", storage_path=str(storage)),
-    ).fit()
+    probe = on_workers(lambda: _restore_probe(probe_cfg, folder, examples), storage, "probe")
     return {
         "name": name,
         "model_dir": model_dir,
         "folder": Path(folder),
-        "probe": probe.return_value,
+        "probe": probe,
         "examples": examples,
         "cfg": cfg,
     }

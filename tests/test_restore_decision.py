@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from raylora import checkpoint, driver, resume
-from raylora.assets import tiny_run_config
 from raylora.driver import run
 from raylora.failures import PermanentError
 from raylora.progress import ATTEMPTS_FILE, read_metrics
+from tests.support import tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

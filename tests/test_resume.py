@@ -10,14 +10,12 @@ import math
 from pathlib import Path
 
 import pytest
-import ray.train
 import torch
-from ray.train.torch import TorchTrainer
 from safetensors.torch import load_file
 
 from raylora import checkpoint
-from raylora.assets import tiny_run_config
 from raylora.driver import run
+from tests.support import on_workers, read_params, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -138,7 +136,7 @@ def _restore_probe(cfg, folder: str, examples: list | None = None) -> dict:
 
     loaded = checkpoint.load(folder)
     s = setup(cfg, loaded)
-    model_values = zero.read_params(s.params)
+    model_values = read_params(s.params)
     gathered = zero.gather_trainable_state(s.engine, s.params)
     logits = None
     if examples is not None:  # every rank takes part in a ZeRO-3 forward pass
@@ -167,12 +165,7 @@ def test_restore_equals_checkpoint_before_any_step(runs, tmp_path):
     with arch_ckpt.as_directory() as folder:
         state = checkpoint.load(folder).state
         cfg = tiny_run_config(runs["model_dir"], state.config["data"]["train"], tmp_path, "probe", VISION_LR)
-        trainer = TorchTrainer(
-            lambda: _restore_probe(cfg, folder),
-            scaling_config=ray.train.ScalingConfig(num_workers=2),
-            run_config=ray.train.RunConfig(name="probe", storage_path=str(tmp_path)),
-        )
-        probe = trainer.fit().return_value
+        probe = on_workers(lambda: _restore_probe(cfg, folder), tmp_path, "probe")
     assert probe["step"] == state.step
     assert probe["lr"] == state.scheduler["_last_lr"][0]
     assert probe["moments_nonzero"]

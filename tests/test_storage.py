@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from raylora import checkpoint
-from raylora.assets import tiny_run_config
 from raylora.driver import run
 from raylora.progress import read_metrics
+from tests.support import tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

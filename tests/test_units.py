@@ -151,9 +151,9 @@ def test_what_is_trained_has_one_definition(frozen, tiny_models, digits, tmp_pat
     """The driver's meta-device shapes equal those of the model a worker builds and marks."""
     from transformers import AutoModelForImageTextToText
 
-    from raylora.assets import tiny_run_config
     from raylora.model import add_lora, mark_trained, shapes
     from raylora.resume import expected_trainable
+    from tests.support import tiny_run_config
 
     folder = tiny_models("qwen2_vl")
     cfg = tiny_run_config(

@@ -12,12 +12,10 @@ give exactly what DeepSpeed's own uninterrupted step gave.
 from __future__ import annotations
 
 import pytest
-import ray.train
 import torch
-from ray.train.torch import TorchTrainer
 
 from raylora import checkpoint
-from raylora.assets import tiny_run_config
+from tests.support import on_workers, read_params, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -87,7 +85,7 @@ def _probe(cfg) -> dict:
     )
     r = setup(cfg, loaded)  # partition_load before initialize, masters and moments after it
     restored_public = _public_state(r.params)
-    model_values = zero.read_params(r.params)
+    model_values = read_params(r.params)
     train_step(r)
     resumed_two = zero.gather_trainable_state(r.engine, r.params)
     if s.rank == 0:
@@ -115,12 +113,7 @@ def test_zero_state_helpers_match_deepspeed(ray_cluster, tiny_models, digits, tm
         "train.precision=bf16",
         f"train.param_persistence_threshold={PERSIST}",
     )
-    trainer = TorchTrainer(
-        lambda: _probe(cfg),
-        scaling_config=ray.train.ScalingConfig(num_workers=3),
-        run_config=ray.train.RunConfig(name="zero-internals", storage_path=str(tmp_path)),
-    )
-    report = trainer.fit().return_value
+    report = on_workers(lambda: _probe(cfg), tmp_path, "zero-internals", num_workers=3)
     assert report["padded"], "the probe should include partitions with padding"
     assert report["persistent"] > 0 and report["partitioned"] > 0, report
     assert report["dtypes"] == ["torch.bfloat16"]

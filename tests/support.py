@@ -74,6 +74,19 @@ def tiny_run_config(
     )
 
 
+def straight_and_killed(model_dir, data, storage, kill_at: int, *overrides: str) -> tuple[Any, Any]:
+    """Two runs of `tiny_run_config`: uninterrupted (`straight`) and with the fault drill's rank killing
+    itself before step `kill_at` (`killed`), each with `overrides`; both must succeed."""
+    from raylora.driver import run
+
+    straight = run(tiny_run_config(model_dir, data, storage, "straight", *overrides))
+    killed = run(
+        tiny_run_config(model_dir, data, storage, "killed", *overrides, f"fault.kill_at_steps={kill_at}")
+    )
+    assert straight.error is None and killed.error is None
+    return straight, killed
+
+
 def on_workers(
     fn: Callable[[], Any], storage: str | Path, name: str, num_workers: int = 2, use_gpu: bool = False
 ) -> Any:
@@ -130,5 +143,6 @@ def wandb_history(wandb_dir: str | Path) -> list[dict[str, str]]:
                 record.ParseFromString(piece)
                 piece = b""
                 if record.WhichOneof("record_type") == "history":
-                    rows.append({i.key: i.value_json for i in record.history.item})
+                    # a key stands in `key`, or split into `nested_key` (the W&B core writes either)
+                    rows.append({i.key or ".".join(i.nested_key): i.value_json for i in record.history.item})
     return rows

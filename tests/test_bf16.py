@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from raylora import checkpoint
-from raylora.driver import run
-from tests.support import on_workers, read_params, tiny_run_config
+from tests.support import on_workers, read_params, straight_and_killed, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -26,11 +25,7 @@ def runs(request, ray_cluster, tiny_models, digits, tmp_path_factory):
     arch = request.param
     storage = tmp_path_factory.mktemp(f"bf16-{arch}")
     model_dir = tiny_models(arch)
-    straight = run(tiny_run_config(model_dir, digits[0], storage, "straight", BF16))
-    killed = run(
-        tiny_run_config(model_dir, digits[0], storage, "killed", BF16, f"fault.kill_at_steps={KILL_AT}")
-    )
-    assert straight.error is None and killed.error is None
+    straight, killed = straight_and_killed(model_dir, digits[0], storage, KILL_AT, BF16)
     return {"model_dir": model_dir, "straight": straight, "killed": killed, "digits": digits[0]}
 
 

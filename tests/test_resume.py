@@ -14,8 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from raylora import checkpoint
-from raylora.driver import run
-from tests.support import on_workers, read_params, tiny_run_config
+from tests.support import on_workers, read_params, straight_and_killed, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -28,11 +27,7 @@ def runs(request, ray_cluster, tiny_models, digits, tmp_path_factory):
     arch = request.param
     storage = tmp_path_factory.mktemp(f"runs-{arch}")
     model_dir = tiny_models(arch)
-    straight = run(tiny_run_config(model_dir, digits[0], storage, "straight", VISION_LR))
-    killed = run(
-        tiny_run_config(model_dir, digits[0], storage, "killed", VISION_LR, f"fault.kill_at_steps={KILL_AT}")
-    )
-    assert straight.error is None and killed.error is None
+    straight, killed = straight_and_killed(model_dir, digits[0], storage, KILL_AT, VISION_LR)
     return {"arch": arch, "model_dir": model_dir, "straight": straight, "killed": killed, "storage": storage}
 
 

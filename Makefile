@@ -31,12 +31,15 @@ test-fast: install
 bench: install
 	$(PY) bench/checkpoint_size.py
 	$(PY) bench/restore_collectives.py
+	$(PY) bench/restore_bytes.py
+	$(PY) bench/checkpoint_stall.py
 	$(PY) bench/save_collectives.py
 	$(PY) bench/throughput.py
 	$(PY) bench/recovery.py
 	$(PY) bench/scale.py
 	$(PY) bench/on_paper.py
 	$(PY) bench/memory.py
+	$(PY) bench/data_scale.py
 
 lint: install
 	$(VENV)/bin/ruff check raylora tests bench jobs

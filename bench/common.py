@@ -338,23 +338,29 @@ def collective_figures(samples: list[tuple[float, dict[str, Any]]]) -> dict[str,
 
 
 def step_clock(path: str | Path):
-    """A Ray Train callback (it runs in the controller) that appends `{t, step, restarts}` to `path` at
-    every report of rank 0: wall-clock times of steps as the driver side sees them."""
+    """A Ray Train callback (it runs in the controller) that appends `{t, reported, step, restarts}` to
+    `path` for every step row of rank 0's reports: `t` when the step ended on rank 0 (its `wall_time`; a
+    report carries the rows of the steps since the previous one), `reported` when the report reached
+    the controller."""
     from ray.train import UserCallback
+
+    from raylora.reporting import rows
 
     class StepClock(UserCallback):
         def __init__(self, path: str):
             self.path = path
 
         def after_report(self, run_context, metrics, checkpoint) -> None:
-            if metrics and metrics[0]:
-                row = {
-                    "t": time.time(),
-                    "step": metrics[0].get("step"),
-                    "restarts": metrics[0].get("restarts"),
-                }
-                with open(self.path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            reported = time.time()
+            with open(self.path, "a") as f:
+                for row in rows(metrics[0]) if metrics else []:
+                    clock = {
+                        "t": row.get("wall_time", reported),
+                        "reported": reported,
+                        "step": row.get("step"),
+                        "restarts": row.get("restarts"),
+                    }
+                    f.write(json.dumps(clock) + "\n")
 
     return StepClock(str(path))
 

@@ -82,12 +82,13 @@ def long_sequence_data(work: str | Path, tiny: bool) -> str:
 
 def sample_lengths(model_dir: str, train_file: str, max_pixels: int | None) -> dict:
     """Tokens of a short and a long sample and image tokens per image, as the processor makes them."""
-    from raylora.data import ImageTextData, make_batch
+    from raylora.data import make_batch, read
+    from raylora.formats import open_rows
     from raylora.processor import load_processor
 
     processor = load_processor(model_dir, max_pixels)
-    data = ImageTextData(train_file)
-    short, long = (make_batch(processor, [data.example(i)]) for i in (0, 1))
+    data = open_rows(train_file)
+    short, long = (make_batch(processor, [read(data, i)]) for i in (0, 1))
     return {
         "short_sample_tokens": int(short["attention_mask"].sum()),
         "long_sample_tokens": int(long["attention_mask"].sum()),

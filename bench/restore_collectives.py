@@ -85,7 +85,8 @@ def probe(variants: list, out_dir: str, reps: int) -> list[dict]:
 
         arch = detect(cfg.model.path, cfg.model.arch)
 
-        def timed_load(params, values, rows=rows, info=info, real_load=real_load, counter=counter, arch=arch):
+        def timed_load(params, source, rows=rows, info=info, real_load=real_load, counter=counter, arch=arch):
+            values = source.weights  # the gathered loads below write whole tensors
             rows["grouped"].append(
                 common.counted_time(counter, lambda: grouped_gathered_load(params, values, arch))[:2]
             )
@@ -96,7 +97,7 @@ def probe(variants: list, out_dir: str, reps: int) -> list[dict]:
             for p in params.values():
                 if zero.is_partitioned(p):
                     p.ds_tensor.data.fill_(float("nan"))
-            rows["raylora"].append(common.counted_time(counter, lambda: real_load(params, values))[:2])
+            rows["raylora"].append(common.counted_time(counter, lambda: real_load(params, source))[:2])
             check = read_params(params)  # outside the count
             info["raylora_load_exact"] = all(torch.equal(check[n], values[n].float()) for n in params)
             info["module_groups"] = len({arch.part_of(n) for n in params})

@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import posixpath
 import shutil
+import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -42,6 +44,7 @@ STATE = "state.json"
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
 PEFT_PREFIX = "base_model.model."
+MOMENTS = ("exp_avg", "exp_avg_sq")  # the AdamW moments saved per parameter, as `<name>.<moment>`
 
 
 class CheckpointError(RuntimeError):
@@ -206,6 +209,89 @@ def adapter_key(name: str) -> str:
     return key.removesuffix(".weight") if key.endswith(".lora_magnitude_vector.weight") else key
 
 
+class _SafetensorsWriter:
+    """One fp32 safetensors file written piece by piece: the header (every tensor's name, shape and byte
+    range) goes first, computed from the shapes, so tensor data can arrive in any order as rank 0 gathers
+    it, and no whole tensor need be in memory. The result is what `safetensors.torch.save_file` reads."""
+
+    def __init__(self, path: Path, shapes: dict[str, list[int]]):
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        self.offsets: dict[str, int] = {}
+        end = 0
+        for name in sorted(shapes):
+            size = 4 * math.prod(shapes[name])
+            header[name] = {"dtype": "F32", "shape": list(shapes[name]), "data_offsets": [end, end + size]}
+            self.offsets[name] = end
+            end += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
+        self.base = 8 + len(text)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self.fd, struct.pack("<Q", len(text)) + text, 0)
+        os.ftruncate(self.fd, self.base + end)
+
+    def write(self, key: str, start: int, values: torch.Tensor) -> None:
+        """Elements `start...` of tensor `key`, flattened."""
+        data = memoryview(values.detach().to(torch.float32).contiguous().numpy()).cast("B")
+        pos = self.base + self.offsets[key] + 4 * start
+        while data:
+            written = os.pwrite(self.fd, data, pos)
+            data, pos = data[written:], pos + written
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class Writer:
+    """Writes a checkpoint into `folder` (new or empty) as the trainable state arrives, piece by piece:
+    rank 0 holds one gathered chunk at a time, not the whole trainable state. `finish` writes the small
+    files and the manifest last. `trainable`: every trainable parameter's name and full shape."""
+
+    def __init__(self, folder: str | Path, trainable: dict[str, list[int]]):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        adapter = {n: s for n, s in trainable.items() if is_adapter(n)}
+        self.files = {
+            ADAPTER_WEIGHTS: _SafetensorsWriter(
+                self.folder / ADAPTER_WEIGHTS, {adapter_key(n): s for n, s in adapter.items()}
+            ),
+            TRAINED_MODULES: _SafetensorsWriter(
+                self.folder / TRAINED_MODULES, {n: s for n, s in trainable.items() if not is_adapter(n)}
+            ),
+            OPTIMIZER: _SafetensorsWriter(
+                self.folder / OPTIMIZER, {f"{n}.{k}": s for n, s in trainable.items() for k in MOMENTS}
+            ),
+        }
+
+    def write(self, name: str, kind: str, start: int, values: torch.Tensor) -> None:
+        """Elements `start...` (flattened) of parameter `name`'s fp32 master (`kind` "weight") or of
+        its Adam moment (`kind` "exp_avg" / "exp_avg_sq")."""
+        if kind != "weight":
+            self.files[OPTIMIZER].write(f"{name}.{kind}", start, values)
+        elif is_adapter(name):
+            self.files[ADAPTER_WEIGHTS].write(adapter_key(name), start, values)
+        else:
+            self.files[TRAINED_MODULES].write(name, start, values)
+
+    def finish(self, state: TrainState, adapter_config) -> None:
+        """Close the tensor files, write the adapter config and state.json, then the manifest."""
+        for f in self.files.values():
+            f.close()
+        folder = self.folder
+        adapter_config.save_pretrained(str(folder))
+        (folder / STATE).write_text(json.dumps(state.to_dict(), indent=1, sort_keys=True))
+        files = [ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINED_MODULES, OPTIMIZER, STATE]
+        manifest = {
+            "format": FORMAT_VERSION,
+            "files": {
+                f: {"bytes": os.path.getsize(folder / f), "sha256": _sha256(folder / f)} for f in files
+            },
+        }
+        tmp = folder / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        os.replace(tmp, folder / MANIFEST)
+
+
 def save(
     folder: str | Path,
     weights: dict[str, torch.Tensor],
@@ -213,24 +299,14 @@ def save(
     state: TrainState,
     adapter_config,
 ) -> None:
-    """Write a checkpoint into `folder` (which must be new or empty); the manifest goes last."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    lora = {adapter_key(n): t.contiguous() for n, t in weights.items() if is_adapter(n)}
-    trained = {n: t.contiguous() for n, t in weights.items() if not is_adapter(n)}
-    adapter_config.save_pretrained(str(folder))
-    save_file(lora, folder / ADAPTER_WEIGHTS, metadata={"format": "pt"})
-    save_file(trained, folder / TRAINED_MODULES, metadata={"format": "pt"})
-    save_file({n: t.contiguous() for n, t in moments.items()}, folder / OPTIMIZER, metadata={"format": "pt"})
-    (folder / STATE).write_text(json.dumps(state.to_dict(), indent=1, sort_keys=True))
-    files = [ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINED_MODULES, OPTIMIZER, STATE]
-    manifest = {
-        "format": FORMAT_VERSION,
-        "files": {f: {"bytes": os.path.getsize(folder / f), "sha256": _sha256(folder / f)} for f in files},
-    }
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(tmp, folder / MANIFEST)
+    """Write a checkpoint of whole tensors into `folder` (which must be new or empty); the manifest goes
+    last. Training writes through `Writer` piece by piece; this is the same writer, fed whole tensors."""
+    writer = Writer(folder, {n: list(t.shape) for n, t in weights.items()})
+    for name, tensor in weights.items():
+        writer.write(name, "weight", 0, tensor)
+        for kind in MOMENTS:
+            writer.write(name, kind, 0, moments[f"{name}.{kind}"])
+    writer.finish(state, adapter_config)
 
 
 def is_complete(folder: str, filesystem: Any) -> bool:
@@ -242,44 +318,86 @@ def is_complete(folder: str, filesystem: Any) -> bool:
     return filesystem.get_file_info(path).type == pyarrow.fs.FileType.File
 
 
-def verify(folder: str | Path) -> dict[str, Any]:
+def _on(folder: str | Path, filesystem: Any) -> tuple[Any, str]:
+    """(pyarrow filesystem, path in it) of a checkpoint folder; unset `filesystem`: the local disk."""
+    import pyarrow.fs
+
+    if filesystem is None:
+        return pyarrow.fs.LocalFileSystem(), os.path.abspath(folder)
+    return filesystem, str(folder).rstrip("/")
+
+
+def _read_manifest(fs: Any, folder: str, where: str | Path) -> dict[str, Any]:
+    import pyarrow.fs
+
+    path = posixpath.join(folder, MANIFEST)
+    try:
+        if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+            raise FileNotFoundError(path)
+        with fs.open_input_stream(path) as f:
+            manifest = json.loads(f.read())
+        manifest["files"].items()
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(
+            f"{where}: {MANIFEST} missing or unreadable ({err}); checkpoint incomplete"
+        ) from err
+    check_format(manifest.get("format"), where)
+    return manifest
+
+
+def verify(folder: str | Path, filesystem: Any = None, hashes: bool = True) -> dict[str, Any]:
     """Check every file against the manifest; raise `CheckpointError` naming the folder and file.
 
+    `filesystem`: a pyarrow filesystem that `folder` is a path of (a run's storage); unset: local.
+    `hashes=False` checks that every file is there at the manifest's size, without reading it.
     Any other `OSError` (an I/O error, a timeout on network storage) is raised as it is: it says nothing
     about the checkpoint, and a reader may retry it.
     """
-    folder = Path(folder)
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        entries = manifest["files"]
-    except (FileNotFoundError, NotADirectoryError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(
-            f"{folder}: {MANIFEST} missing or unreadable ({err}); checkpoint incomplete"
-        ) from err
-    check_format(manifest.get("format"), folder)
-    for name, entry in entries.items():
-        path = folder / name
-        if not path.is_file():
+    import pyarrow.fs
+
+    fs, path = _on(folder, filesystem)
+    manifest = _read_manifest(fs, path, folder)
+    for name, entry in manifest["files"].items():
+        info = fs.get_file_info(posixpath.join(path, name))
+        if info.type != pyarrow.fs.FileType.File:
             raise CheckpointError(f"{folder}: file {name} listed in the manifest is missing")
-        if path.stat().st_size != entry["bytes"]:
+        if info.size != entry["bytes"]:
             raise CheckpointError(
-                f"{folder}: file {name} has {path.stat().st_size} bytes, manifest says "
+                f"{folder}: file {name} has {info.size} bytes, manifest says "
                 f"{entry['bytes']} (truncated or altered)"
             )
-        if _sha256(path) != entry["sha256"]:
+        if hashes and _sha256_on(fs, posixpath.join(path, name)) != entry["sha256"]:
             raise CheckpointError(
                 f"{folder}: file {name} does not match its sha256 in the manifest (altered)"
             )
     return manifest
 
 
+def _sha256_on(fs: Any, path: str) -> str:
+    digest = hashlib.sha256()
+    with fs.open_input_stream(path) as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 @dataclass
 class Loaded:
+    """A checkpoint read whole (export, evaluation, tests); `Ranges` reads only the parts a rank needs."""
+
     weights: dict[str, torch.Tensor]
     """fp32 masters by base parameter name (LoRA and trained modules together)."""
     moments: dict[str, torch.Tensor]
     """Adam moments keyed `<name>.exp_avg` / `<name>.exp_avg_sq`."""
     state: TrainState
+
+    def weight_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of parameter `name`'s flattened fp32 master."""
+        return self.weights[name].reshape(-1)[start:stop]
+
+    def moment_range(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of parameter `name`'s flattened Adam moment `kind`."""
+        return self.moments[f"{name}.{kind}"].reshape(-1)[start:stop]
 
 
 def load(folder: str | Path) -> Loaded:
@@ -296,6 +414,92 @@ def load(folder: str | Path) -> Loaded:
     weights.update(load_file(folder / TRAINED_MODULES))
     moments = load_file(folder / OPTIMIZER)
     return Loaded(weights=weights, moments=moments, state=state)
+
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class Ranges:
+    """A checkpoint opened for reading element ranges of its tensors, so that a rank reads only the
+    slices of the partitions it owns: restore bytes and memory per rank shrink with the world.
+
+    Reads go through the run storage's pyarrow filesystem, one ranged read per slice, rather than
+    `safe_open(...).get_slice` on a downloaded copy: safetensors needs a local file, and a download once
+    per node would still move every byte to every node and need the node's ranks to agree on who fetches;
+    a ranged read moves each byte to the one rank that needs it, on local disk and object storage alike.
+    The safetensors layout (a little-endian u64 header length, a JSON header of dtype, shape and byte
+    offsets, then the data) is the format's documented one; tests compare these reads with safetensors'.
+    """
+
+    def __init__(self, folder: str | Path, filesystem: Any = None, hashes: bool = True):
+        """Check the manifest (every file's sha256 with `hashes`, else only that each is there at its
+        size), read state.json and the tensor files' headers; no tensor data yet."""
+        self.folder = folder
+        self.fs, self.path = _on(folder, filesystem)
+        verify(folder, filesystem, hashes=hashes)
+        with self.fs.open_input_stream(posixpath.join(self.path, STATE)) as f:
+            self.state = _parse_state(f.read(), folder)
+        self.bytes_read = 0
+        self._open: dict[str, Any] = {}
+        self._headers = {name: self._header(name) for name in (ADAPTER_WEIGHTS, TRAINED_MODULES, OPTIMIZER)}
+        self._where: dict[tuple[str, str], tuple[str, str]] = {}
+        for name, shape in self.state.trainable.items():
+            weights = ADAPTER_WEIGHTS if is_adapter(name) else TRAINED_MODULES
+            keys = [("weight", weights, adapter_key(name) if is_adapter(name) else name)]
+            keys += [(kind, OPTIMIZER, f"{name}.{kind}") for kind in MOMENTS]
+            for kind, file, key in keys:
+                entry = self._headers[file][1].get(key)
+                if entry is None or list(entry["shape"]) != list(shape) or entry["dtype"] not in _DTYPES:
+                    found = "nothing" if entry is None else f"{entry['dtype']} of shape {entry['shape']}"
+                    raise CheckpointError(
+                        f"{folder}: {file} entry {key}: state.json says shape {shape}, the file has {found}"
+                    )
+                self._where[(name, kind)] = (file, key)
+
+    def _file(self, name: str) -> Any:
+        if name not in self._open:
+            self._open[name] = self.fs.open_input_file(posixpath.join(self.path, name))
+        return self._open[name]
+
+    def _read(self, name: str, offset: int, length: int) -> bytes:
+        data = self._file(name).read_at(length, offset)
+        if len(data) != length:
+            raise CheckpointError(f"{self.folder}: {name} ends before byte {offset + length}")
+        self.bytes_read += length
+        return data
+
+    def _header(self, name: str) -> tuple[int, dict[str, Any]]:
+        (length,) = struct.unpack("<Q", self._read(name, 0, 8))
+        try:
+            header = json.loads(self._read(name, 8, length))
+        except ValueError as err:
+            raise CheckpointError(
+                f"{self.folder}: {name} has no readable safetensors header ({err})"
+            ) from err
+        return 8 + length, header
+
+    def _range(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor:
+        file, key = self._where[(name, kind)]
+        base, header = self._headers[file]
+        entry = header[key]
+        dtype = _DTYPES[entry["dtype"]]
+        size = torch.empty((), dtype=dtype).element_size()
+        stop = max(start, min(stop, math.prod(entry["shape"])))
+        data = self._read(file, base + entry["data_offsets"][0] + start * size, (stop - start) * size)
+        return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+
+    def weight_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of parameter `name`'s flattened fp32 master, read from storage."""
+        return self._range(name, "weight", start, stop)
+
+    def moment_range(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of parameter `name`'s flattened Adam moment `kind`, read from storage."""
+        return self._range(name, kind, start, stop)
+
+    def close(self) -> None:
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
 
 
 def check_compatible(state: TrainState, expected: dict[str, list[int]], folder: str | Path = "") -> None:

@@ -83,16 +83,24 @@ def _export(args) -> int:
 
 
 def _eval(args) -> int:
-    from raylora.data import check_parquet
     from raylora.evaluate import evaluate, load_for_inference
     from raylora.export import base_model_path, verified_state
+    from raylora.formats import check_source
 
     state = verified_state(args.checkpoint)
     model_path = base_model_path(state, args.model)
-    check_parquet(args.data, "--data")
+    check_source(args.data, "--data")
     model, processor = load_for_inference(args.checkpoint, model_path)
     scores = evaluate(model, processor, args.data, batch_size=args.batch_size, max_samples=args.max_samples)
     print(json.dumps({"checkpoint": args.checkpoint, "step": state.step, **scores}, indent=2))
+    return 0
+
+
+def _prepare_data(args) -> int:
+    from raylora.prepare import format_report, prepare
+
+    summary = prepare(args.source, args.out, args.format, args.image_root, args.model)
+    print(format_report(summary))
     return 0
 
 
@@ -171,11 +179,21 @@ def parser() -> argparse.ArgumentParser:
     x.set_defaults(fn=_export)
     e = sub.add_parser("eval", help="exact-match accuracy and answer loss of a checkpoint on a Parquet file")
     e.add_argument("checkpoint", help="checkpoint folder")
-    e.add_argument("--data", required=True, help="Parquet file with columns image, prompt, answer")
+    e.add_argument("--data", required=True, help="held-out data file or folder, any supported format")
     e.add_argument("--max-samples", type=_positive_int, help="evaluate the first N rows only")
     e.add_argument("--batch-size", type=_positive_int, default=32, help="samples per batch (default 32)")
     e.add_argument("--model", help="base model folder or Hub id (default: the checkpoint's state.json)")
     e.set_defaults(fn=_eval)
+    pd = sub.add_parser(
+        "prepare-data",
+        help="check every row of a data source on Ray Data and write the layout training reads fastest",
+    )
+    pd.add_argument("source", help="data file or folder, any supported format (a path or pyarrow URI)")
+    pd.add_argument("--out", required=True, help="new (or empty) output folder, seen by every node")
+    pd.add_argument("--format", help="the source's format (default: detected, as data.format)")
+    pd.add_argument("--image-root", help="folder that relative image paths are resolved against")
+    pd.add_argument("--model", help="model folder or Hub id whose processor counts each row's tokens")
+    pd.set_defaults(fn=_prepare_data)
     i = sub.add_parser("inspect", help="a checkpoint's step, files, manifest check and trainable modules")
     i.add_argument("checkpoint", help="checkpoint folder")
     i.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -64,14 +64,22 @@ class LoraConfig:
 @dataclass
 class DataConfig:
     train: str = ""
-    """Training Parquet file (a path or any pyarrow filesystem URI) with columns image, prompt, answer."""
+    """Training data (a path or any pyarrow filesystem URI): a Parquet, JSON or JSONL file, a folder of
+    Parquet files or a `datasets.save_to_disk` folder, in a format of data.format (README: Data formats)."""
     eval: str | None = None
-    """Held-out Parquet file with the same columns, for evaluation."""
+    """Held-out data in the same formats, for evaluation: the prompt is every turn before the last assistant
+    turn, the answer that turn's text."""
+    format: str | None = None
+    """Format of data.train and data.eval: `raylora` (image, prompt, answer), `chat` (messages, images) or
+    `llava` (conversations, image). Unset: detected from the fields found."""
+    image_root: str | None = None
+    """Folder (or URI) that relative image paths in the data are resolved against. Unset: the data file's
+    folder."""
     on_bad_row: str = "skip"
     """A row whose image does not decode or whose answer is empty: `skip` (counted, reported) or `error`."""
     max_length: int | None = None
-    """Most tokens per sample (prompt, image tokens, answer, EOS); a longer sample is skipped, not cut, and
-    counted in the step's `too_long` metric (README: Memory). Unset: no limit."""
+    """Most tokens per sample (every turn, image tokens, end-of-turn tokens); a longer sample is skipped, not
+    cut, and counted in the step's `too_long` metric (README: Memory). Unset: no limit."""
     max_pixels: int | None = None
     """Most pixels per image, handed to the processor's resolution knob (Qwen2-VL family: max_pixels;
     Idefics3, Pixtral: a longest edge of its square root); refused where the processor resizes every
@@ -79,6 +87,9 @@ class DataConfig:
     min_pixels: int | None = None
     """Fewest pixels per image (Qwen2-VL family only: smaller images are upscaled). Unset: the model
     folder's own setting."""
+    workers: int = 1
+    """Processes that build the next steps' micro batches (read, decode, tokenise) while the current step
+    computes (README: Input pipeline); 0 builds them inline, in the training process."""
 
 
 @dataclass
@@ -140,8 +151,18 @@ class RunConfig:
     """Run name; starting a run with an existing name resumes it from its latest checkpoint."""
     max_failures: int = 3
     """Worker-group failures Ray recovers from before the run fails."""
+    max_preemptions: int = 20
+    """Node preemptions (spot reclaims announced by a drain, or nodes that died preempted) Ray recovers
+    from before the run fails, counted apart from run.max_failures; -1: no limit."""
     num_to_keep: int = 2
     """Checkpoints kept in storage (the newest ones)."""
+    checkpoint_upload: str = "async"
+    """How rank 0's checkpoint folder reaches storage: async (uploaded while training goes on; the run
+    resumes only from checkpoints whose upload completed) or sync (every rank waits for the upload)."""
+    report_every_s: float = 2.0
+    """Seconds between the workers' metric reports to Ray Train (each one waits for every worker and for
+    the controller's poll); the rows of the steps in between go with the next report, so the metric sinks
+    still get every step. Checkpoint steps and the last step report at once; 0 reports every step."""
     tensorboard: bool = False
     """Also write the metrics as TensorBoard scalars into the run folder's `tensorboard/` (local storage)."""
     verbose: bool = False
@@ -212,8 +233,10 @@ class Config:
         return self.scaling.use_gpu if on is None else on
 
     def grad_accum_steps(self, world_size: int) -> int:
-        """Micro batches per rank per step, so the global batch does not depend on the worker count."""
-        return self.train.global_batch_size // (self.train.micro_batch_size * world_size)
+        """Micro batches per rank per step, so the global batch does not depend on the worker count: as
+        many as the largest share of the global batch needs (`data.GlobalSampler.micro_batches`)."""
+        largest_share = -(-self.train.global_batch_size // world_size)
+        return -(-largest_share // self.train.micro_batch_size)
 
 
 SECTIONS = (ModelConfig, LoraConfig, DataConfig, TrainConfig, ScalingConfig, RunConfig, FaultConfig, Config)
@@ -306,6 +329,7 @@ def _absolute_paths(cfg: Config) -> Config:
         data,
         train=storage.absolute(data.train) if data.train else data.train,  # empty: validate() names it
         eval=storage.absolute(data.eval) if data.eval else data.eval,
+        image_root=storage.absolute(data.image_root) if data.image_root else data.image_root,
     )
     run = dataclasses.replace(run, storage_path=storage.absolute(run.storage_path))
     return dataclasses.replace(cfg, model=model, data=data, run=run)
@@ -413,8 +437,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"lora.modules_to_save must be distinct non-empty module names, got {saved}")
     if t.lr <= 0 or (t.vision_lr is not None and t.vision_lr <= 0):
         raise ConfigError(f"train.lr and train.vision_lr must be positive, got {t.lr} and {t.vision_lr}")
+    if cfg.run.checkpoint_upload not in ("async", "sync"):
+        raise ConfigError(f"run.checkpoint_upload must be async or sync, got {cfg.run.checkpoint_upload!r}")
+    if cfg.run.report_every_s < 0:
+        raise ConfigError(f"run.report_every_s must not be negative, got {cfg.run.report_every_s}")
     if t.warmup_steps < 0 or cfg.run.max_failures < 0:
         raise ConfigError("train.warmup_steps and run.max_failures must not be negative")
+    if cfg.run.max_preemptions < -1:
+        raise ConfigError(f"run.max_preemptions must be -1 (no limit) or more, got {cfg.run.max_preemptions}")
     n = s.num_workers
     if isinstance(n, list) and (len(n) != 2 or not 0 < n[0] <= n[1]):
         raise ConfigError(
@@ -422,14 +452,12 @@ def validate(cfg: Config) -> None:
         )
     if isinstance(n, int) and n <= 0:
         raise ConfigError(f"scaling.num_workers must be positive, got {n}")
-    for world in cfg.world_sizes:
-        per_step = t.micro_batch_size * world
-        if t.global_batch_size % per_step:
-            raise ConfigError(
-                f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                f"train.micro_batch_size x scaling.num_workers "
-                f"({t.micro_batch_size} x {world} = {per_step}), for every number of workers the run may have"
-            )
+    # Any split works (shares differ by at most one sample), as long as every rank has a sample.
+    if t.global_batch_size < cfg.world_size:
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) is smaller than scaling.num_workers "
+            f"({cfg.world_size}, the most workers the run may have): every worker needs a sample per step"
+        )
     if t.eval_every is not None and (t.eval_every <= 0 or not cfg.data.eval):
         raise ConfigError("train.eval_every must be positive and needs data.eval")
     if t.precision not in (None, "bf16", "fp32"):
@@ -440,6 +468,12 @@ def validate(cfg: Config) -> None:
             f"fault.read_errors ({drill.read_errors}) must not be negative, and fault.read_error_rank "
             f"({drill.read_error_rank}) must be a rank of {cfg.world_sizes[0]} workers"
         )
+    if cfg.data.workers < 0:
+        raise ConfigError(f"data.workers must be 0 (inline) or more, got {cfg.data.workers}")
+    if cfg.data.format not in (None, "raylora", "chat", "llava"):
+        raise ConfigError(
+            f"data.format must be raylora, chat or llava (unset: detected), got {cfg.data.format!r}"
+        )
     if cfg.data.on_bad_row not in ("skip", "error"):
         raise ConfigError(f"data.on_bad_row must be skip or error, got {cfg.data.on_bad_row!r}")
     _validate_memory(cfg)
@@ -448,7 +482,7 @@ def validate(cfg: Config) -> None:
     if cfg.model.revision is not None and not cfg.model.revision.strip():
         raise ConfigError("model.revision must be a commit hash, branch or tag when set, got an empty string")
     if not cfg.data.train:
-        raise ConfigError("data.train is required: a Parquet file with columns image, prompt, answer")
+        raise ConfigError("data.train is required: a data file or folder (README: Data formats)")
     if not cfg.run.name or "/" in cfg.run.name:
         raise ConfigError(f"run.name must be a non-empty name without '/', got {cfg.run.name!r}")
 

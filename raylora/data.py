@@ -1,109 +1,24 @@
-"""Image-text data: Parquet rows (image bytes, prompt, answer), a global sampler, and batches.
+"""The global sampler, and batches of conversations rendered with the model's own chat template.
 
-The sampler is global: which samples form step `s`'s batch depends only on (seed, epoch) and the
-global batch size, never on the number of workers. Ray Data's iterators have no state to save, so an
-exact mid-epoch resume needs this sampler of our own; its position is just the step.
+Rows come from `raylora.formats` and are decoded only when a batch uses them (`read`). The sampler is
+global: which samples form step `s`'s batch depends only on (seed, epoch) and the global batch size, never
+on the number of workers. Ray Data's iterators have no state to save, so an exact mid-epoch resume needs
+this sampler of our own; its position is just the step.
 """
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.fs
-import pyarrow.parquet as pq
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from raylora.config import ConfigError
-from raylora.storage import filesystem
+from raylora.formats import Rows, load_image
 
-REQUIRED_COLUMNS = ("image", "prompt", "answer")
 IGNORE_INDEX = -100  # labels PyTorch's cross-entropy skips: prompt, image and padding tokens
-
-
-def check_parquet(uri: str, key: str) -> int:
-    """Fail early, naming `key` and the file, if the Parquet file is missing or lacks a needed column."""
-    fs, path = filesystem(uri)
-    try:
-        info = fs.get_file_info(path)
-    except (OSError, pa.ArrowException) as err:
-        raise ConfigError(f"{key}: cannot reach {uri}: {err}") from err
-    if info.type != pyarrow.fs.FileType.File:
-        raise ConfigError(f"{key}: Parquet file not found: {uri}")
-    try:
-        meta = pq.read_metadata(path, filesystem=fs)
-    except (OSError, pa.ArrowException) as err:
-        raise ConfigError(f"{key}: {uri} is not a readable Parquet file: {err}") from err
-    names = meta.schema.to_arrow_schema().names
-    missing = [c for c in REQUIRED_COLUMNS if c not in names]
-    if missing:
-        raise ConfigError(
-            f"{key}: {uri} lacks column(s) {', '.join(missing)} (has: {', '.join(names)}; "
-            f"needs image (PNG/JPEG bytes), prompt, answer)"
-        )
-    if meta.num_rows == 0:
-        raise ConfigError(f"{key}: {uri} has no rows")
-    return meta.num_rows
-
-
-class BadRowError(ConfigError):
-    """A data row that cannot be trained on, with `data.on_bad_row: error`."""
-
-
-def bad_row_reason(image: bytes | None, prompt: str | None, answer: str | None) -> str | None:
-    """Why a row cannot be trained on, or None. Checked once, up front, so that no worker dies on a
-    cryptic trace from inside a collate function halfway through a run."""
-    if not answer or not answer.strip():
-        return "empty answer"
-    if prompt is None:
-        return "missing prompt"
-    if not image:
-        return "missing image"
-    try:
-        with Image.open(io.BytesIO(image)) as img:
-            img.verify()  # header and structure, without decoding every pixel
-    except Exception as err:  # PIL raises many types for a broken file
-        return f"image does not decode ({type(err).__name__}: {err})"
-    return None
-
-
-class ImageTextData:
-    """The usable rows of one Parquet file, decoded lazily (each worker decodes only what it uses).
-
-    Rows whose image does not decode or whose answer is empty are skipped and counted
-    (`on_bad_row="skip"`), or stop everything with the row number (`on_bad_row="error"`).
-    """
-
-    def __init__(self, uri: str, on_bad_row: str = "skip"):
-        fs, path = filesystem(uri)
-        table = pq.read_table(path, filesystem=fs, columns=list(REQUIRED_COLUMNS))
-        self.uri = uri
-        images = table.column("image").to_pylist()
-        prompts = table.column("prompt").to_pylist()
-        answers = table.column("answer").to_pylist()
-        self.bad_rows: list[tuple[int, str]] = []
-        keep = []
-        for row, (image, prompt, answer) in enumerate(zip(images, prompts, answers, strict=True)):
-            reason = bad_row_reason(image, prompt, answer)
-            if reason is None:
-                keep.append(row)
-            elif on_bad_row == "error":
-                raise BadRowError(f"{uri}: row {row}: {reason} (data.on_bad_row: error)")
-            else:
-                self.bad_rows.append((row, reason))
-        self.images = [images[i] for i in keep]
-        self.prompts = [prompts[i] for i in keep]
-        self.answers = [answers[i] for i in keep]
-
-    def __len__(self) -> int:
-        return len(self.answers)
-
-    def example(self, i: int) -> tuple[Image.Image, str, str]:
-        image = Image.open(io.BytesIO(self.images[i])).convert("RGB")
-        return image, self.prompts[i], self.answers[i]
 
 
 @dataclass(frozen=True)
@@ -135,72 +50,228 @@ class GlobalSampler:
         start = pos * self.global_batch_size
         return order[start : start + self.global_batch_size].tolist()
 
-    def micro_batches(self, step: int, rank: int, world_size: int, micro_batch_size: int) -> list[list[int]]:
-        """This rank's contiguous share of the global batch, cut into micro batches."""
-        batch = self.global_batch(step)
-        per_rank = len(batch) // world_size
-        mine = batch[rank * per_rank : (rank + 1) * per_rank]
-        return [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+    def shares(self, world_size: int) -> list[int]:
+        """Samples each rank trains on per step: the global batch split as evenly as it goes, so that
+        shares differ by at most one sample (the first ranks take the remainder)."""
+        base, extra = divmod(self.global_batch_size, world_size)
+        return [base + (rank < extra) for rank in range(world_size)]
+
+    def micro_batches(
+        self, step: int, rank: int, world_size: int, micro_batch_size: int
+    ) -> list[list[int | None]]:
+        """This rank's contiguous share of the global batch, cut into micro batches.
+
+        Every rank gets as many micro batches as the largest share needs (`Config.grad_accum_steps`):
+        under ZeRO-3 all ranks run each forward and backward pass together. A rank one sample short of
+        that ends with `[None]`: a slot for a label-less stand-in, which trains on nothing.
+        """
+        shares = self.shares(world_size)
+        start = sum(shares[:rank])
+        mine: list[int | None] = self.global_batch(step)[start : start + shares[rank]]
+        micro = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+        count = -(-shares[0] // micro_batch_size)
+        return micro + [[None] for _ in range(count - len(micro))]
 
 
-def prompt_text(processor, prompt: str) -> str:
-    """The model's own chat template around one image and the prompt, up to the assistant's turn."""
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-    return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+Decoded = tuple[list[dict], list[Image.Image]]
+"""A sample ready to batch: `Sample.messages` and its images decoded, one per image part, in order."""
 
 
-def answer_ids(processor, answer: str) -> list[int]:
-    tokenizer = processor.tokenizer
-    return tokenizer(answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+def read(rows: Rows, i: int) -> Decoded:
+    """Row `i` of `rows`, its images decoded; `BadRow` when the row or one of its images is unusable."""
+    sample = rows.sample(i)
+    return sample.messages, [load_image(entry) for entry in sample.images]
 
 
-def make_batch(processor, examples: list[tuple[Image.Image, str, str]], with_answers: bool = True) -> dict:
-    """Tensors for the model: prompt (with image) then answer + EOS, labels only on the answer.
+def last_answer(messages: list[dict]) -> str:
+    """The text of the last assistant turn: what generation from the turns before it should produce."""
+    turn = next(m for m in reversed(messages) if m["role"] == "assistant")
+    return "".join(part.get("text", "") for part in turn["content"])
 
-    With `with_answers=False` (generation) the answer is left out and padding goes on the left.
-    Token-aligned tensors from the processor (input_ids, attention_mask, mm_token_type_ids, ...)
-    are extended and padded together; vision tensors are concatenated along their first dimension,
-    which stacks Llava's images and joins Qwen2-VL's patch rows alike.
+
+@dataclass(frozen=True)
+class _Piece:
+    text: str
+    labelled: bool
+    images: int  # image parts in the turns this piece renders
+
+
+def _image_parts(messages: list[dict]) -> int:
+    return sum(part["type"] == "image" for turn in messages for part in turn["content"])
+
+
+def _render(processor, messages: list[dict], generation_prompt: bool) -> str:
+    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def _rest(text: str, start: str, turns: int) -> str:
+    """`text` after its beginning `start`; `ValueError` where the chat template did not render it there."""
+    if not text.startswith(start):
+        raise ValueError(
+            f"the model's chat template renders turns 1-{turns} differently once later turns follow them, "
+            f"so the assistant's tokens cannot be told apart from the rest; raylora needs a template that "
+            f"renders a conversation as its rendering of every earlier part plus what follows"
+        )
+    return text[len(start) :]
+
+
+def _pieces(processor, messages: list[dict], generation_prompt: bool) -> list[_Piece]:
+    """The conversation as the chat template renders it, cut into pieces that are the assistant's or not.
+
+    Each assistant turn k is the text that rendering turns 0..k adds to rendering turns 0..k-1 with the
+    generation prompt: its answer and its end-of-turn token as the template writes them; whitespace after
+    the end of turn goes with the next piece. Rendering prefixes (LLaMA-Factory's approach) rather than
+    finding the answers in one rendering works with any template that renders a conversation as an
+    extension of its beginning, and needs neither generation markers in the template (most have none) nor
+    character offsets, which the processor's image-token expansion would shift. With `generation_prompt`
+    the last piece ends with the generation prompt: the prompt of the turn after `messages`.
     """
-    pad_id = processor.tokenizer.pad_token_id
-    rows, vision = [], {}
-    for image, prompt, answer in examples:
-        enc = processor(text=[prompt_text(processor, prompt)], images=[image], return_tensors="pt")
-        length = enc["input_ids"].shape[1]
-        extra = answer_ids(processor, answer) if with_answers else []
-        row = {}
+    pieces, done, turn = [], "", 0
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _render(processor, messages[:k], generation_prompt=True)
+        answer = _rest(_render(processor, messages[: k + 1], generation_prompt=False), prompt, k).rstrip()
+        pieces.append(_Piece(_rest(prompt, done, turn), False, _image_parts(messages[turn:k])))
+        pieces.append(_Piece(answer, True, _image_parts([message])))
+        done, turn = prompt + answer, k + 1
+    whole = _render(processor, messages, generation_prompt)
+    pieces.append(_Piece(_rest(whole, done, turn), False, _image_parts(messages[turn:])))
+    return [p for p in pieces if p.text or p.images]
+
+
+@dataclass
+class _Row:
+    tokens: dict[str, list[int]]  # token-aligned: input_ids, attention_mask, mm_token_type_ids, ...
+    labels: list[int]
+    vision: dict[str, list[torch.Tensor]]  # pixel_values, image_grid_thw, ...: one per piece with images
+
+
+# Processor outputs that are not token-aligned although they can have the shape (1, tokens).
+VISION_KEYS = ("image_grid_thw", "image_sizes")
+
+
+def encode(processor, sample: Decoded, with_answers: bool = True) -> _Row:
+    """One sample's tokens and labels: every assistant turn (and its end-of-turn token) labelled, nothing
+    else. Without answers: the turns before the last assistant turn, then the generation prompt.
+
+    Each piece goes through the processor with its own images, which expands their image tokens. A piece
+    is tokenised on its own: the cuts lie where the generation prompt ends (where a generation prompt is
+    cut anyway) and after a turn's end (a special token, which tokenisers never merge across).
+    """
+    messages, images = sample
+    if not with_answers:
+        last = max(k for k, m in enumerate(messages) if m["role"] == "assistant")
+        messages, images = messages[:last], images[: _image_parts(messages[:last])]
+    bos = processor.tokenizer.bos_token
+    row, used = _Row({}, [], {}), 0
+    for n, piece in enumerate(_pieces(processor, messages, generation_prompt=not with_answers)):
+        # transformers' own rule for chat-template text: special tokens only where the template wrote none
+        special = n == 0 and not (bos and piece.text.startswith(bos))
+        enc = processor(
+            text=[piece.text],
+            images=images[used : used + piece.images] or None,
+            return_tensors="pt",
+            add_special_tokens=special,
+        )
+        used += piece.images
+        ids = enc["input_ids"][0].tolist()
         for key, value in enc.items():
-            if value.dim() == 2 and value.shape == (1, length) and key != "image_grid_thw":
-                tail = {"input_ids": extra, "attention_mask": [1] * len(extra)}.get(key, [0] * len(extra))
-                row[key] = value[0].tolist() + tail
+            if value.dim() == 2 and value.shape == (1, len(ids)) and key not in VISION_KEYS:
+                row.tokens.setdefault(key, [0] * len(row.labels)).extend(value[0].tolist())
             else:
-                vision.setdefault(key, []).append(value)
-        row["labels"] = [IGNORE_INDEX] * length + extra
-        rows.append(row)
-    width = max(len(r["input_ids"]) for r in rows)
+                row.vision.setdefault(key, []).append(value)
+        row.labels += ids if piece.labelled else [IGNORE_INDEX] * len(ids)
+        for values in row.tokens.values():  # a key this piece lacks (e.g. text without images): zeros
+            values.extend([0] * (len(row.labels) - len(values)))
+    return row
+
+
+def _cat(values: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along the first dimension, zero-padding the others where they differ: Idefics3's
+    images per sample, Pixtral's image height and width (the zeros are what their processors pad with)."""
+    shape = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]
+    padded = []
+    for v in values:
+        pad = [p for d in reversed(range(1, v.dim())) for p in (0, shape[d - 1] - v.shape[d])]
+        padded.append(F.pad(v, pad) if any(pad) else v)
+    return torch.cat(padded, dim=0)
+
+
+def _collate(processor, rows: list[_Row], with_answers: bool) -> dict:
+    """Right-padded training rows, or left-padded generation prompts (no labels)."""
+    pad_id = processor.tokenizer.pad_token_id
+    width = max(len(r.labels) for r in rows)
+    keys = list(dict.fromkeys(k for r in rows for k in r.tokens))
+    if with_answers:
+        keys.append("labels")
     batch = {}
-    for key in rows[0]:
+    for key in keys:
         fill = {"input_ids": pad_id, "labels": IGNORE_INDEX}.get(key, 0)
         padded = []
         for r in rows:
-            pad = [fill] * (width - len(r[key]))
-            padded.append(r[key] + pad if with_answers else pad + r[key])
+            values = r.labels if key == "labels" else r.tokens.get(key, [0] * len(r.labels))
+            pad = [fill] * (width - len(values))
+            padded.append(values + pad if with_answers else pad + values)
         batch[key] = torch.tensor(padded, dtype=torch.long)
-    if not with_answers:
-        del batch["labels"]
-    for key, values in vision.items():
-        batch[key] = torch.cat(values, dim=0)
+    for key in dict.fromkeys(k for r in rows for k in r.vision):
+        batch[key] = _cat([v for r in rows for v in r.vision.get(key, [])])
     return batch
+
+
+def make_batch(processor, samples: list[Decoded], with_answers: bool = True) -> dict:
+    """Tensors for the model from decoded samples, rendered with the model's own chat template: labels
+    on every assistant turn and its end-of-turn token, IGNORE_INDEX elsewhere (`encode`).
+
+    With `with_answers=False` (generation) each sample's last assistant turn is left out, the generation
+    prompt ends it, and padding goes on the left. Token-aligned tensors (input_ids, attention_mask,
+    mm_token_type_ids, ...) are padded together; vision tensors are concatenated along their first
+    dimension, which stacks Llava's images and joins Qwen2-VL's patch rows alike; samples without images
+    add none, so text-only and image samples share a batch.
+    """
+    return _collate(processor, [encode(processor, s, with_answers) for s in samples], with_answers)
+
+
+def end_of_turn_ids(processor) -> list[int]:
+    """Token ids that end generation: EOS, and the special token that closes an assistant turn in the chat
+    template (Qwen's <|im_end|>, Gemma's <end_of_turn>), where training taught the model to stop."""
+    tokenizer = processor.tokenizer
+    probe = [
+        {"role": "user", "content": [{"type": "text", "text": "?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "0"}]},
+    ]
+    labels = encode(processor, (probe, [])).labels
+    last = [t for t in labels if t != IGNORE_INDEX][-1]
+    return list(dict.fromkeys([tokenizer.eos_token_id] + [last] * (last in tokenizer.all_special_ids)))
+
+
+def check_chat_template(processor) -> None:
+    """`ValueError` (before the first step) when the chat template cannot be cut into turns (`_pieces`)."""
+    text = {"type": "text", "text": "?"}
+    turns = [{"role": role, "content": [text]} for role in ("user", "assistant") * 2]
+    encode(processor, (turns, []))
 
 
 STAND_IN_EDGE = 56  # pixels a side: Qwen2-VL's smallest image (min_pixels 56 * 56); resized elsewhere
 
 
-def stand_in() -> tuple[Image.Image, str, str]:
-    """The sample that takes a too-long sample's place in its micro batch: a blank image, empty prompt and
-    answer. Under ZeRO-3 every rank must run the same forward and backward passes, so the row is kept,
-    vision tower and all, and `limit_length` sets all its labels to IGNORE_INDEX."""
-    return Image.new("RGB", (STAND_IN_EDGE, STAND_IN_EDGE), (127, 127, 127)), "", ""
+def stand_in() -> Decoded:
+    """The sample that takes a slot's place without training on it (its labels are cleared): a blank
+    image, an empty question and answer. Under ZeRO-3 every rank must run the same forward and backward
+    passes, so a slot is never dropped: a too-long or bad sample, or an empty slot of the global batch,
+    becomes this row, vision tower and all."""
+    image = Image.new("RGB", (STAND_IN_EDGE, STAND_IN_EDGE), (127, 127, 127))
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ""}]},
+        {"role": "assistant", "content": [{"type": "text", "text": ""}]},
+    ]
+    return messages, [image]
+
+
+def _stand_in_row(processor) -> _Row:
+    row = encode(processor, stand_in())
+    row.labels = [IGNORE_INDEX] * len(row.labels)
+    return row
 
 
 def check_max_length(processor, max_length: int) -> None:
@@ -217,19 +288,25 @@ def check_max_length(processor, max_length: int) -> None:
         )
 
 
-def limit_length(processor, examples: list, max_length: int | None) -> tuple[dict, list[int]]:
-    """`make_batch`, with every example longer than `max_length` tokens (prompt, image tokens, answer,
-    EOS) replaced by `stand_in()` with no labels. Returns the batch and the replaced rows.
+def limit_length(processor, samples: list[Decoded | None], max_length: int | None) -> tuple[dict, list[int]]:
+    """A training micro batch: `make_batch`, with each `None` slot (no sample) and each sample longer than
+    `max_length` tokens (all its turns, image tokens and end-of-turn tokens) replaced by the label-less
+    `stand_in()`. Returns the batch and the positions of the too-long samples.
 
     Too-long samples are skipped, not truncated: cutting image tokens breaks the model's image-token
     count, and cutting an answer would train on part of it.
+
+    A batch without any image gets one stand-in row more. Under ZeRO-3 the vision tower's forward gathers
+    its parameters and, when it is trained, its backward reduce-scatters their gradients: a rank that
+    skipped the tower would leave the other ranks waiting in those collectives forever. A real image row
+    through the model's own forward works for every architecture, where calling the tower on the side
+    (and adding 0 times its output to the loss) would need each architecture's vision call; its labels are
+    all IGNORE_INDEX, so it changes neither the loss nor the gradient.
     """
-    batch = make_batch(processor, examples)
-    if max_length is None:
-        return batch, []
-    too_long = [i for i, n in enumerate(batch["attention_mask"].sum(dim=1).tolist()) if n > max_length]
-    if too_long:
-        blank = stand_in()
-        batch = make_batch(processor, [blank if i in too_long else e for i, e in enumerate(examples)])
-        batch["labels"][too_long] = IGNORE_INDEX
-    return batch, too_long
+    rows = [_stand_in_row(processor) if s is None else encode(processor, s) for s in samples]
+    too_long = [i for i, r in enumerate(rows) if max_length is not None and len(r.labels) > max_length]
+    for i in too_long:
+        rows[i] = _stand_in_row(processor)
+    if not any(r.vision for r in rows):
+        rows.append(_stand_in_row(processor))
+    return _collate(processor, rows, with_answers=True), too_long

@@ -5,18 +5,22 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import posixpath
+import secrets
 from pathlib import Path
 
+import pyarrow as pa
 import ray
 import ray.train
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 from ray.train.torch import TorchTrainer
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raylora import hub, storage
 from raylora.arch import Architecture, detect
 from raylora.config import Config, ConfigError
-from raylora.data import ImageTextData, check_parquet
 from raylora.failures import EndOnPermanentError, PermanentError
+from raylora.formats import check_source
 from raylora.processor import check_image_caps
 from raylora.progress import MetricsLog, MlflowLog, TensorBoardLog, WandbLog
 from raylora.redact import redact
@@ -41,25 +45,90 @@ def preflight(cfg: Config) -> Architecture:
             "model.attn_implementation=flash_attention_2 needs the flash_attn package (pip install "
             "flash-attn) on every node; it is not importable here. sdpa is PyTorch's own fused attention."
         )
-    num_rows = check_parquet(cfg.data.train, "data.train")
+    _, num_rows = check_source(cfg.data.train, "data.train", cfg.data.format, cfg.data.image_root)
     if num_rows < cfg.train.global_batch_size:
         raise ConfigError(
             f"data.train: {num_rows} rows, fewer than train.global_batch_size ({cfg.train.global_batch_size})"
         )
     if cfg.data.eval:
-        check_parquet(cfg.data.eval, "data.eval")
+        check_source(cfg.data.eval, "data.eval", cfg.data.format, cfg.data.image_root)
     if (
         cfg.fault.kill_at_steps or cfg.fault.kill_checkpoint_steps
     ) and not 0 <= cfg.fault.kill_rank < cfg.world_sizes[0]:
         raise ConfigError(
             f"fault.kill_rank {cfg.fault.kill_rank} is not a rank of {cfg.world_sizes[0]} workers"
         )
-    if cfg.data.on_bad_row == "error":  # fail here, not in every worker after Ray has started
-        ImageTextData(cfg.data.train, "error")
     if cfg.lora.modules_to_save:  # wraps the model on the meta device: a name that matches nothing fails here
         expected_trainable(cfg)
     check_resume(cfg)
     return arch
+
+
+STORAGE_MARKER = ".raylora-storage-check-"  # + a random token: a file the driver writes, every node reads
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _read_marker(uri: str) -> tuple[str | None, str]:
+    """The marker's contents as this node sees them (None if it cannot read it), and why not."""
+    fs, path = storage.filesystem(uri)
+    try:
+        with fs.open_input_stream(path) as f:
+            return f.read().decode(), ""
+    except (OSError, pa.ArrowException) as err:
+        return None, f"{type(err).__name__}: {err}"
+
+
+def check_shared_storage(storage_path: str, timeout_s: float = 120.0) -> None:
+    """`ConfigError` naming the nodes that do not see `run.storage_path` as the driver sees it.
+
+    A local path that is not shared storage is each node's own disk: every rank would then upload its
+    checkpoint files to its own node, and a restarted worker would resume from whatever its node holds.
+    Ray finds that out only at the first checkpoint upload, then retries it run.max_failures times, so
+    the driver writes a marker there and a task pinned to each alive node reads it back before training.
+    Nodes that join later (autoscaling) are not checked. One node: nothing to compare, nothing written.
+    """
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    if len(nodes) < 2:
+        return
+    token = secrets.token_hex(16)
+    marker = posixpath.join(storage_path, STORAGE_MARKER + token)
+    fs, path = storage.filesystem(marker)
+    fs.create_dir(posixpath.dirname(path), recursive=True)
+    with fs.open_output_stream(path) as f:
+        f.write(token.encode())
+    try:
+        reads = {
+            _read_marker.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
+            ).remote(marker): node
+            for node in nodes
+        }
+        done, late = ray.wait(list(reads), num_returns=len(reads), timeout=timeout_s)
+        blind = []
+        for ref in done:
+            try:
+                seen, why = ray.get(ref)
+            except RayError:  # the node left while the check ran: it runs no workers either
+                continue
+            if seen != token:
+                node = reads[ref]
+                blind.append(f"{node['NodeID']} ({node['NodeManagerAddress']}: {why or 'other contents'})")
+        for ref in late:
+            ray.cancel(ref, force=True)
+            log.warning(
+                "node %s did not answer the shared-storage check within %.0f s; not checked",
+                reads[ref]["NodeID"],
+                timeout_s,
+            )
+    finally:
+        fs.delete_file(path)
+    if blind:
+        raise ConfigError(
+            f"run.storage_path: {storage_path} is not the same storage on every node of the cluster: "
+            f"node(s) {', '.join(blind)} do not see the file the driver wrote there. Each node would keep "
+            f"its own checkpoints and a restarted worker would resume from its node's copy. Use shared "
+            f"storage that every node mounts at this path (NFS) or a URI (s3://, gs://)."
+        )
 
 
 def metric_callbacks(cfg: Config) -> list:
@@ -90,7 +159,11 @@ def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
         run_config=ray.train.RunConfig(
             name=cfg.run.name,
             storage_path=cfg.run.storage_path,
-            failure_config=ray.train.FailureConfig(max_failures=cfg.run.max_failures),
+            # A preempted node (announced by a drain, or dead with Ray's preemption mark) is charged to its
+            # own budget: a spot reclaim is not a fault and must not use up the run's retries for faults.
+            failure_config=ray.train.FailureConfig(
+                max_failures=cfg.run.max_failures, max_preemption_failures=cfg.run.max_preemptions
+            ),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.num_to_keep),
             # last, so that the metrics callbacks still see the error that ends the run
             callbacks=[*metric_callbacks(cfg), *(callbacks or []), EndOnPermanentError()],
@@ -124,6 +197,7 @@ def run(cfg: Config, callbacks: list | None = None) -> ray.train.Result:
     """
     preflight(cfg)
     init_ray()
+    check_shared_storage(cfg.run.storage_path)
     relaunches = 0
     while True:
         try:

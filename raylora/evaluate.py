@@ -9,7 +9,8 @@ from peft import PeftModel
 from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint, hub
-from raylora.data import ImageTextData, answer_ids, make_batch
+from raylora.data import end_of_turn_ids, last_answer, make_batch, read, stand_in
+from raylora.formats import BadRow, Rows, open_rows
 from raylora.loss import answer_token_losses
 from raylora.processor import load_processor
 
@@ -44,6 +45,9 @@ def score(
 ) -> dict[str, float]:
     """Exact-match hits, answer-token loss sum and answer tokens of one batch (only `counted` examples).
 
+    `examples` are decoded `(messages, images)` (`data.read`): the prompt is every turn before the last
+    assistant turn, the answer that turn's text; the loss covers every assistant turn, as training's does.
+
     `synced_gpus=True` keeps ZeRO-3 ranks in lockstep through generation (every rank must take part
     in every forward pass, however many tokens its own batch needs).
     """
@@ -54,18 +58,21 @@ def score(
     per_token, rows = answer_token_losses(model, batch, labels)
     mask = torch.tensor(counted, device=per_token.device)[rows]
     prompts = {k: v.to(device) for k, v in make_batch(processor, examples, with_answers=False).items()}
-    longest = max(len(answer_ids(processor, answer)) for _, _, answer in examples)
+    answers = [last_answer(messages) for messages, _ in examples]
+    # the answer's tokens and one that ends the turn
+    longest = 1 + max(len(tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)
     out = model.generate(
         **prompts,
         max_new_tokens=longest,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=end_of_turn_ids(processor),  # where training taught the model to stop
         synced_gpus=synced_gpus,
     )
     new = out[:, prompts["input_ids"].shape[1] :]
     hits = sum(
         keep and tokenizer.decode(ids, skip_special_tokens=True).strip() == answer.strip()
-        for (_, _, answer), ids, keep in zip(examples, new, counted, strict=True)
+        for answer, ids, keep in zip(answers, new, counted, strict=True)
     )
     return {
         "correct": float(hits),
@@ -76,29 +83,46 @@ def score(
 
 
 @torch.no_grad()
-def evaluate(model, processor, data_uri: str, batch_size: int = 32, max_samples: int | None = None) -> dict:
-    """Exact-match accuracy of generated answers and the mean answer-token loss, in one process."""
-    data = ImageTextData(data_uri)
+def evaluate(
+    model,
+    processor,
+    data_uri: str,
+    batch_size: int = 32,
+    max_samples: int | None = None,
+    fmt: str | None = None,
+    image_root: str | None = None,
+) -> dict:
+    """Exact-match accuracy of generated answers and the mean answer-token loss, in one process, over the
+    first `max_samples` rows; rows that cannot be scored (`BadRow`) are left out and counted."""
+    data = open_rows(data_uri, fmt, image_root)
     n = len(data) if max_samples is None else min(max_samples, len(data))
-    totals = {"correct": 0.0, "loss_sum": 0.0, "tokens": 0.0}
+    totals = {"correct": 0.0, "loss_sum": 0.0, "tokens": 0.0, "samples": 0.0}
     for start in range(0, n, batch_size):
-        result = score(model, processor, [data.example(i) for i in range(start, min(n, start + batch_size))])
-        for key in totals:
-            totals[key] += result[key]
+        examples = []
+        for i in range(start, min(n, start + batch_size)):
+            try:
+                examples.append(read(data, i))
+            except BadRow:
+                continue
+        if examples:
+            for key, value in score(model, processor, examples).items():
+                totals[key] += value
     return {
-        "accuracy": totals["correct"] / max(n, 1),
+        "accuracy": totals["correct"] / max(totals["samples"], 1),
         "loss": totals["loss_sum"] / max(totals["tokens"], 1),
-        "samples": n,
+        "samples": int(totals["samples"]),
+        "bad_rows": n - int(totals["samples"]),
     }
 
 
 @torch.no_grad()
-def evaluate_sharded(engine, processor, data: ImageTextData, max_samples: int, batch_size: int) -> dict:
+def evaluate_sharded(engine, processor, data: Rows, max_samples: int, batch_size: int) -> dict:
     """Inside ZeRO-3 training: score the first `max_samples` of `data`, sharded over the ranks.
 
     Every rank must call this. Every rank runs the same number of batches (short shards repeat a
-    sample that is not counted) and generates with `synced_gpus`, because ZeRO-3 needs every rank in
-    every forward pass. Returns the same numbers on every rank.
+    sample that is not counted; a bad row is a stand-in, not counted either) and generates with
+    `synced_gpus`, because ZeRO-3 needs every rank in every forward pass. Returns the same numbers on every
+    rank.
     """
     import torch.distributed as dist
 
@@ -112,11 +136,22 @@ def evaluate_sharded(engine, processor, data: ImageTextData, max_samples: int, b
     model = engine.module
     model.eval()
     for i in range(0, per_rank, batch_size):
+        examples, keep = [], counted[i : i + batch_size]
+        for k in range(i, min(per_rank, i + batch_size)):
+            try:
+                examples.append(read(data, mine[k]))
+            except BadRow:
+                examples.append(stand_in())
+                keep[k - i] = False
+        if not any(images for _, images in examples):
+            # ranks wait for each other in the vision tower's parameter gathers: every rank must run it
+            examples.append(stand_in())
+            keep.append(False)
         r = score(
             model,
             processor,
-            [data.example(j) for j in mine[i : i + batch_size]],
-            counted[i : i + batch_size],
+            examples,
+            keep,
             synced_gpus=True,
             device=engine.device,
         )
@@ -125,6 +160,6 @@ def evaluate_sharded(engine, processor, data: ImageTextData, max_samples: int, b
     model.train()
     dist.all_reduce(totals)
     return {
-        "eval_accuracy": totals[0].item() / totals[3].item(),
-        "eval_loss": totals[1].item() / totals[2].item(),
+        "eval_accuracy": totals[0].item() / max(totals[3].item(), 1),
+        "eval_loss": totals[1].item() / max(totals[2].item(), 1),
     }

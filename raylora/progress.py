@@ -20,6 +20,7 @@ import time
 import pyarrow.fs
 from ray.train import UserCallback
 
+from raylora.reporting import rows
 from raylora.storage import run_folder
 
 METRICS_FILE = "raylora_metrics.jsonl"
@@ -71,10 +72,12 @@ class MetricsLog(UserCallback):
     def after_report(self, run_context, metrics, checkpoint) -> None:
         if self.rows is None:  # first report of this driver: keep what earlier drivers of the run wrote
             self.rows = read_metrics(self.storage_path, self.name)
-        if metrics and metrics[0]:
-            self.rows.append(dict(metrics[0]))
-            self.unflushed += 1
-        last = metrics and metrics[0] and metrics[0].get("step") == metrics[0].get("max_steps")
+        reported = rows(metrics[0]) if metrics else []
+        for row in reported:
+            self._count_redone(row)
+            self.rows.append(row)
+        self.unflushed += len(reported)
+        last = reported and reported[-1].get("step") == reported[-1].get("max_steps")
         if checkpoint is not None or last or self.unflushed >= self.flush_every:
             self._write()
 
@@ -82,6 +85,25 @@ class MetricsLog(UserCallback):
     def after_exception(self, run_context, worker_exceptions) -> None:
         if self.rows is not None:
             self._write()
+
+    def _count_redone(self, row: dict) -> None:
+        """On the first row of a restarted worker group, `steps_redone`: how far past the checkpoint it
+        resumed from (the step before this row's) the run had got, as the rows that reached the driver show.
+
+        Counted here because only the driver sees every report of every worker group; the workers know
+        the step they restored, not the last one the group before them reached.
+        """
+        before = self.rows[-1] if self.rows else None
+        if before is None or row.get("restarts") == before.get("restarts"):
+            return
+        row["steps_redone"] = max(0, before["step"] - (row["step"] - 1))
+        log.warning(
+            "restart %s resumed at step %d, %d step(s) before the last step reached (%d)",
+            row.get("restarts"),
+            row["step"] - 1,
+            row["steps_redone"],
+            before["step"],
+        )
 
 
 ATTEMPTS_FILE = "raylora_attempts.json"
@@ -106,7 +128,14 @@ def count_attempt(storage_path: str, name: str) -> int:
 
 
 def _scalars(row: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+    return {
+        k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "wall_time")
+    }
+
+
+def _wall_time(row: dict) -> float:
+    """When the row's step ended on its worker (rows of several steps reach the sinks together)."""
+    return float(row.get("wall_time", time.time()))
 
 
 class TensorBoardLog(UserCallback):
@@ -120,14 +149,27 @@ class TensorBoardLog(UserCallback):
     def after_report(self, run_context, metrics, checkpoint) -> None:
         from tensorboardX import SummaryWriter
 
-        if not metrics or not metrics[0]:
+        reported = rows(metrics[0]) if metrics else []
+        if not reported:
             return
         if self.writer is None:
             self.writer = SummaryWriter(self.logdir)
-        row = metrics[0]
-        for key, value in _scalars(row).items():
-            self.writer.add_scalar(key, value, global_step=row["step"])
-        self.writer.flush()
+        for row in reported:
+            for key, value in _scalars(row).items():
+                self.writer.add_scalar(key, value, global_step=row["step"], walltime=_wall_time(row))
+        if reported[-1].get("step") == reported[-1].get("max_steps"):
+            self._close()  # flush() leaves queued events behind, lost when Ray ends the controller
+        else:
+            self.writer.flush()
+
+    def _close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    @never_fatal
+    def after_exception(self, run_context, worker_exceptions) -> None:
+        self._close()
 
 
 class MlflowLog(UserCallback):
@@ -167,11 +209,16 @@ class MlflowLog(UserCallback):
     def after_report(self, run_context, metrics, checkpoint) -> None:
         from mlflow.entities import Metric
 
-        if not metrics or not metrics[0]:
+        reported = rows(metrics[0]) if metrics else []
+        if not reported:
             return
-        row, stamp = metrics[0], int(time.time() * 1000)
-        batch = [Metric(k, v, stamp, int(row["step"])) for k, v in _scalars(row).items()]
-        self._client().log_batch(self._ensure_run(), metrics=batch)
+        batch = [
+            Metric(k, v, int(_wall_time(row) * 1000), int(row["step"]))
+            for row in reported
+            for k, v in _scalars(row).items()
+        ]
+        for i in range(0, len(batch), 1000):  # MLflow refuses more than 1000 metrics per batch
+            self._client().log_batch(self._ensure_run(), metrics=batch[i : i + 1000])
 
 
 class WandbLog(UserCallback):
@@ -204,11 +251,12 @@ class WandbLog(UserCallback):
 
     @never_fatal
     def after_report(self, run_context, metrics, checkpoint) -> None:
-        if not metrics or not metrics[0]:
+        reported = rows(metrics[0]) if metrics else []
+        if not reported:
             return
-        row = metrics[0]
-        self._ensure_run().log({"step": int(row["step"]), **_scalars(row)})
-        if row.get("step") == row.get("max_steps"):
+        for row in reported:
+            self._ensure_run().log({"step": int(row["step"]), **_scalars(row)})
+        if reported[-1].get("step") == reported[-1].get("max_steps"):
             self.run.finish()
             self.run = None
 

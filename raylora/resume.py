@@ -16,9 +16,11 @@ crashed attempt left behind.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
+import os
 import posixpath
 import shutil
 import tempfile
@@ -31,8 +33,8 @@ import ray.train
 
 from raylora import checkpoint, hub
 from raylora.config import Config, ConfigError
-from raylora.data import check_parquet
 from raylora.drills import maybe_read_error
+from raylora.formats import check_source
 from raylora.storage import run_folder
 
 log = logging.getLogger("raylora")
@@ -77,9 +79,12 @@ def read_checkpoint(
     before_read: Callable[[str], None] | None = None,
     tries: int = READ_TRIES,
     backoff_s: float = READ_BACKOFF_S,
-) -> checkpoint.Loaded:
-    """Read and verify checkpoint `path` of the run's storage.
+    hashes: bool = True,
+) -> checkpoint.Ranges:
+    """Open checkpoint `path` of the run's storage for ranged reads, after checking it against its
+    manifest (every file's sha256 with `hashes`, else that every file is there at its size).
 
+    Nothing is downloaded: each rank then reads only its own slices (`checkpoint.Ranges`).
     An `OSError` may be transient: it is retried with exponential backoff, and after `tries` failures
     raised as an `OSError` naming the checkpoint. Files that do not match the manifest are damage:
     `CheckpointError` at once, not retried. `before_read(path)` runs before each try (the fault drill).
@@ -88,8 +93,7 @@ def read_checkpoint(
         try:
             if before_read is not None:
                 before_read(path)
-            with ray.train.Checkpoint(path, filesystem=filesystem).as_directory() as local:
-                return checkpoint.load(local)
+            return checkpoint.Ranges(path, filesystem, hashes=hashes)
         except OSError as err:
             if attempt == tries:
                 raise OSError(
@@ -111,12 +115,21 @@ def read_checkpoint(
 
 def newest_intact(
     latest: ray.train.Checkpoint, before_read: Callable[[str], None] | None = None
-) -> tuple[str, checkpoint.Loaded]:
-    """(path, contents) of the newest intact checkpoint no newer than `latest`; warns about each damaged
-    one it skips. A storage error that outlasts the retries is not damage: it is raised."""
+) -> tuple[str, checkpoint.Ranges]:
+    """(path, opened) of the newest intact checkpoint that Ray recorded, no newer than `latest`; warns
+    about each damaged one it skips. A storage error that outlasts the retries is not damage: it is raised.
+
+    Only checkpoints in Ray's record are candidates: with asynchronous uploads a folder can be in the
+    run's storage, even complete, whose report Ray never recorded (the rank died after its upload).
+    """
     fs, latest_path = latest.filesystem, latest.path.rstrip("/")
     run_dir = posixpath.dirname(latest_path)
-    folders = [p for p in _checkpoint_folders(fs, run_dir) if p <= latest_path] or [latest_path]
+    recorded = recorded_checkpoints(fs, run_dir) or set()
+    folders = [
+        p for p in _checkpoint_folders(fs, run_dir) if p <= latest_path and posixpath.basename(p) in recorded
+    ]
+    if latest_path not in folders:  # Ray handed it out, so it recorded it, whatever its snapshot says
+        folders.append(latest_path)
     problems = []
     for path in reversed(folders):
         try:
@@ -137,14 +150,16 @@ def newest_intact(
     )
 
 
-def restore_agreed(cfg: Config, latest: ray.train.Checkpoint | None) -> checkpoint.Loaded | None:
-    """The checkpoint this rank restores: the one rank 0 chose, read by every rank. Collective.
+def restore_agreed(cfg: Config, latest: ray.train.Checkpoint | None) -> checkpoint.Ranges | None:
+    """The checkpoint this rank restores: the one rank 0 chose, opened by every rank. Collective.
 
     A rank that chose for itself could fall back past a checkpoint it failed to read to an older step
     while the others restore the newest; partitions, learning rate and sampler positions would mix.
     So rank 0 alone verifies and falls back, and broadcasts the path it chose: a path of the run's
-    storage, which each rank reads through its own filesystem (its own credentials). Each rank checks
-    the manifest again as it reads, and all ranks compare the step they hold.
+    storage, which each rank reads through its own filesystem (its own credentials). Rank 0 checked
+    every byte against the manifest's hashes; the others, which read only their own slices, check that
+    each file is there at the manifest's size and that its header lists every tensor at its shape. All
+    ranks compare the step they hold.
     """
     import torch.distributed as dist
 
@@ -164,7 +179,7 @@ def restore_agreed(cfg: Config, latest: ray.train.Checkpoint | None) -> checkpoi
             raise checkpoint.CheckpointError(
                 f"rank {rank} got no checkpoint from Ray; rank 0 restores {chosen[0]}"
             )
-        loaded = read_checkpoint(chosen[0], latest.filesystem, drill)
+        loaded = read_checkpoint(chosen[0], latest.filesystem, drill, hashes=False)
     steps: list[int | None] = [None] * dist.get_world_size()
     dist.all_gather_object(steps, loaded.state.step if loaded is not None else None)
     if len(set(steps)) > 1:
@@ -229,6 +244,39 @@ def new_staging_folder(cfg: Config, step: int) -> str:
     return tempfile.mkdtemp(prefix=f"step{step}-", dir=parent)
 
 
+# Directory descriptors of this process's staging folders, each under a shared flock: Ray's asynchronous
+# upload reads a folder from a thread of this process, then deletes it, so a folder is in use exactly as
+# long as the process that wrote it lives and the folder exists.
+_HELD: dict[str, int] = {}
+
+
+def hold_until_uploaded(folder: str) -> None:
+    """Mark staging `folder` as in use while this process lives: `remove_leftovers` leaves it alone (an
+    asynchronous upload may still be reading it). Releases the folders Ray has deleted since."""
+    for path, fd in list(_HELD.items()):
+        if not os.path.isdir(path):
+            os.close(fd)
+            del _HELD[path]
+    fd = os.open(folder, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    _HELD[folder] = fd
+
+
+def _in_use(folder: Path) -> bool:
+    """Whether a live process holds `folder` (`hold_until_uploaded`); the lock dies with its process."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe's lock
+
+
 # Ray Train's record of the checkpoints a run reported; a run with the same name resumes from it.
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 
@@ -271,10 +319,14 @@ def remove_leftovers(cfg: Config, rank: int) -> None:
     uploads in the run folder. Runs before any rank writes a checkpoint; never fails the attempt."""
     staging = staging_folder(cfg)
     if staging.is_dir():
-        stale = sorted(p.name for p in staging.iterdir())
-        shutil.rmtree(staging, ignore_errors=True)
+        # a folder that a live process holds may still be uploading (a rank of this node that has not
+        # yet exited): never pull it from under the upload
+        stale = sorted(p for p in staging.iterdir() if not _in_use(p))
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
         if stale:
-            log.warning("removed local checkpoint folders of a crashed attempt in %s: %s", staging, stale)
+            names = [p.name for p in stale]
+            log.warning("removed local checkpoint folders of a crashed attempt in %s: %s", staging, names)
     if rank != 0:
         return
     try:
@@ -305,9 +357,8 @@ def check_resume(cfg: Config) -> checkpoint.TrainState | None:
     folder, state = found
     sampler = {"seed": cfg.train.seed, "global_batch_size": cfg.train.global_batch_size}
     check_sampler(state.sampler, sampler, folder)
-    # The usable rows are known only once every image is decoded (a worker checks them); the driver
-    # compares the Parquet metadata's row count, which a changed data set almost always changes.
-    rows = check_parquet(cfg.data.train, "data.train")
+    # The row count from the source's metadata, which a changed data set almost always changes.
+    _, rows = check_source(cfg.data.train, "data.train", cfg.data.format, cfg.data.image_root)
     if state.data_rows is not None and rows != state.data_rows:
         raise ConfigError(
             f"data.train: {folder} was trained on {state.data_rows} rows, {cfg.data.train} has {rows}; "

@@ -23,6 +23,7 @@ from ray import tune
 
 from raylora import config
 from raylora.config import ConfigError
+from raylora.reporting import rows
 
 log = logging.getLogger("raylora")
 
@@ -81,8 +82,14 @@ def make_driver(base: dict[str, Any]):
 
         from raylora.driver import make_trainer
 
+        class TuneReport(TuneReportCallback):
+            """Tune gets one result per report, its last step's row; the metrics sinks get every step's."""
+
+            def after_report(self, run_context, metrics, checkpoint) -> None:
+                super().after_report(run_context, [rows(m)[-1] if m else m for m in metrics], checkpoint)
+
         cfg = trial_config(base, sample, tune.get_context().get_trial_id())
-        result = make_trainer(cfg, callbacks=[TuneReportCallback()]).fit()
+        result = make_trainer(cfg, callbacks=[TuneReport()]).fit()
         if result.error:
             raise result.error
 
@@ -105,7 +112,7 @@ def run_tune(
     max_trial_failures: int = 2,
 ):
     """Run (or with `resume`, restore and finish) a sweep; returns Tune's ResultGrid."""
-    from raylora.driver import init_ray, preflight
+    from raylora.driver import check_shared_storage, init_ray, preflight
 
     base_cfg = config.load(config_path, overrides)
     preflight(base_cfg)
@@ -114,6 +121,7 @@ def run_tune(
         raise ConfigError("raylora tune needs --space SPACE.yaml (or --resume)")
     space = load_space(space_path, base_cfg) if space_path else {}
     init_ray()
+    check_shared_storage(base_cfg.run.storage_path)
     # A trial's own process only drives Ray Train; its workers hold the CPUs and GPUs. (Tune refuses
     # a trial with no resources at all, hence a sliver of a CPU.)
     trainable = tune.with_resources(make_driver(base), {"CPU": 0.01})

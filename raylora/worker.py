@@ -11,9 +11,10 @@ Restore order (DeepSpeed's engine builds its fp32 masters from the parameter val
 
 from __future__ import annotations
 
+import functools
 import logging
-import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import deepspeed
@@ -25,17 +26,31 @@ from transformers import get_cosine_schedule_with_warmup
 from raylora import checkpoint, console, failures, hub, resume, zero
 from raylora.arch import Architecture, detect
 from raylora.config import Config
-from raylora.data import GlobalSampler, ImageTextData, answer_ids, check_max_length, limit_length
+from raylora.data import (
+    Decoded,
+    GlobalSampler,
+    check_chat_template,
+    check_max_length,
+    limit_length,
+    read,
+)
 from raylora.drills import maybe_kill
 from raylora.evaluate import evaluate_sharded
-from raylora.loss import answer_token_losses
+from raylora.formats import BadRow, Rows, open_rows
+from raylora.loss import answer_token_losses, predicts_answer
 from raylora.model import build_model, mark_trained, shapes
+from raylora.pipeline import step_inputs
 from raylora.processor import load_processor
 from raylora.progress import count_attempt
 from raylora.redact import redact
+from raylora.reporting import Reporter
 from raylora.resume import base_model_fingerprint
 
 log = logging.getLogger("raylora")
+UPLOAD_MODES = {
+    "async": ray.train.CheckpointUploadMode.ASYNC,
+    "sync": ray.train.CheckpointUploadMode.SYNC,
+}
 
 
 @dataclass
@@ -47,20 +62,22 @@ class Setup:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     params: dict[str, torch.nn.Parameter]
     processor: object
-    data: ImageTextData
+    data: Rows
     sampler: GlobalSampler
-    answer_tokens: list[int]
     rank: int
     world_size: int
     arch: Architecture
-    eval_data: ImageTextData | None = None
+    eval_data: Rows | None = None
+    # the steps' micro batches, prepared beside training (raylora.pipeline); None: built inline
+    inputs: Iterator[StepBatches] | None = None
     step: int = 0
     restarts: int = 0
     resumed: bool = False
 
 
-def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
-    """Build the model and engine on this rank and, when given a checkpoint, restore it exactly."""
+def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | None) -> Setup:
+    """Build the model and engine on this rank and, when given a checkpoint, restore it exactly (reading
+    only this rank's slices of it from a `checkpoint.Ranges`)."""
     # DeepSpeed adopts the process group Ray Train set up (gloo on CPU, nccl on GPU); zero.Init inside
     # from_pretrained needs it to know the world size.
     deepspeed.init_distributed(dist_backend=dist.get_backend())
@@ -73,7 +90,7 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
     params = mark_trained(model, arch, cfg)  # PEFT froze the vision tower and aligner: re-enable them
     if restore_from is not None:
         checkpoint.check_compatible(restore_from.state, shapes(params))
-        zero.partition_load(params, restore_from.weights)
+        zero.partition_load(params, restore_from)
 
     def schedule(optimizer):
         return get_cosine_schedule_with_warmup(optimizer, cfg.train.warmup_steps, cfg.train.max_steps)
@@ -89,15 +106,13 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
     )
     del zero3  # transformers no longer needs to see the ZeRO-3 config once the engine exists
 
-    data = ImageTextData(cfg.data.train, cfg.data.on_bad_row)
-    if data.bad_rows and rank == 0:
-        row, reason = data.bad_rows[0]
-        log.warning(
-            "skipped %d bad rows of %s (first: row %d, %s)", len(data.bad_rows), data.uri, row, reason
-        )
+    # Rows are read when a step uses them: a bad one is met (and skipped) there, not looked for here.
+    d = cfg.data
+    data = open_rows(d.train, d.format, d.image_root)
     processor = load_processor(
         hub.resolve(cfg.model.path, cfg.model.revision), cfg.data.max_pixels, cfg.data.min_pixels
     )
+    check_chat_template(processor)  # a template whose turns cannot be labelled fails the start, not a step
     if cfg.data.max_length is not None:
         check_max_length(processor, cfg.data.max_length)
     s = Setup(
@@ -108,16 +123,17 @@ def setup(cfg: Config, restore_from: checkpoint.Loaded | None) -> Setup:
         processor=processor,
         data=data,
         sampler=GlobalSampler(len(data), cfg.train.global_batch_size, cfg.train.seed),
-        answer_tokens=[len(answer_ids(processor, a)) for a in data.answers],
         rank=rank,
         world_size=world,
         arch=arch,
         restarts=started[0] - 1,
-        eval_data=ImageTextData(cfg.data.eval, cfg.data.on_bad_row) if cfg.train.eval_every else None,
+        eval_data=open_rows(cfg.data.eval, d.format, d.image_root) if cfg.train.eval_every else None,
     )
     if restore_from is not None:
         st = restore_from.state
-        zero.set_trainable_state(engine, params, restore_from.weights, restore_from.moments, st.step)
+        zero.set_trainable_state(engine, params, restore_from, st.step)
+        if isinstance(restore_from, checkpoint.Ranges):
+            restore_from.close()
         scheduler.load_state_dict(st.scheduler)
         for group, lr in zip(engine.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
             group["lr"] = lr  # load_state_dict restores the schedule but not the optimizer's current lr
@@ -133,19 +149,22 @@ def train_step(s: Setup) -> dict[str, float]:
     # The learning rates this step trains at (engine.step() moves the schedule on at the step's end):
     # the LoRA group's, then the trained vision tower/aligner group's when there is one.
     lrs = s.scheduler.get_last_lr()
-    global_batch = s.sampler.global_batch(step)
     start = time.perf_counter()
-    batches, too_long, skipped_tokens = step_batches(s, step)
-    # At least 1: a step whose every sample is too long has no answer tokens, and a loss of 0.
-    global_tokens = max(1, sum(s.answer_tokens[i] for i in global_batch) - skipped_tokens)
+    built = next(s.inputs) if s.inputs is not None else step_batches(s, step)
+    device = engine.device
+    # Collectives carry tensors on the device the process group serves: NCCL (GPU) rejects CPU tensors.
+    # One small all_reduce before the first backward: the loss is normalised by the global batch's answer
+    # tokens, which only the built batches know (multi-turn, skipped and bad samples, rows read lazily).
+    counts = torch.tensor([built.tokens, built.too_long, built.bad_rows], dtype=torch.float64, device=device)
+    dist.all_reduce(counts)
+    # At least 1: a step whose every sample is skipped has no answer tokens, and a loss of 0.
+    global_tokens = max(1, int(counts[0].item()))
     # The loss is a mean over the global batch's answer tokens. DeepSpeed divides by the accumulation
     # steps and averages over ranks, so scale each micro batch's token sum to undo both: the gradient
     # then does not depend on how the batch is split over workers.
     scale = s.world_size * cfg.grad_accum_steps(s.world_size) / global_tokens
-    device = engine.device
-    # Collectives carry tensors on the device the process group serves: NCCL (GPU) rejects CPU tensors.
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in batches:
+    for batch in built.batches:
         batch = {k: v.to(device) for k, v in batch.items()}
         labels = batch.pop("labels")
         token_loss = answer_token_losses(engine, batch, labels)[0].sum()
@@ -168,37 +187,63 @@ def train_step(s: Setup) -> dict[str, float]:
         "epoch": s.sampler.epoch(step),
         "restarts": s.restarts,
         "world_size": s.world_size,  # changes within a run when an elastic [min, max] group is resized
-        "bad_rows": len(s.data.bad_rows),
-        "too_long": too_long,  # samples of this step longer than data.max_length, skipped on every rank
+        "bad_rows": int(counts[2].item()),  # rows of this step that do not read or decode, skipped
+        "too_long": int(counts[1].item()),  # samples of this step longer than data.max_length, skipped
     }
 
 
-def step_batches(s: Setup, step: int) -> tuple[list[dict], int, int]:
-    """This rank's micro batches of `step`, and over all ranks: samples skipped as too long, and their
-    answer tokens.
+@dataclass
+class StepBatches:
+    """This rank's share of one step, with what the step's metrics and loss need counted."""
 
-    Every batch of the step is built before the first backward: the loss is normalised by the global
-    batch's answer tokens, so the tokens of samples skipped on any rank must be known first (one small
-    all_reduce). Whether a sample is too long depends on the sample alone, so a resumed run skips the same.
+    batches: list[dict]
+    tokens: int  # answer tokens the loss covers
+    too_long: int  # samples longer than data.max_length, replaced by the stand-in
+    bad_rows: int  # rows that do not read or decode, replaced by the stand-in
+
+
+def step_batches(s: Setup, step: int) -> StepBatches:
+    """This rank's micro batches of `step`, every one built before the first backward.
+
+    No collectives here: the input pipeline's processes, which have no process group, call this too.
+    What a slot holds depends on its row alone (too long, bad), so every rank and a resumed run skip
+    the same; an empty slot of the global sampler (`None`) becomes the stand-in as well.
     """
-    batches = []
-    skipped = torch.zeros(2, dtype=torch.float64, device=s.engine.device)  # NCCL serves device tensors only
+    built = StepBatches([], 0, 0, 0)
     for micro in s.sampler.micro_batches(step, s.rank, s.world_size, s.cfg.train.micro_batch_size):
-        batch, too_long = limit_length(s.processor, [s.data.example(i) for i in micro], s.cfg.data.max_length)
-        batches.append(batch)
-        skipped[0] += len(too_long)
-        skipped[1] += sum(s.answer_tokens[micro[i]] for i in too_long)
-    dist.all_reduce(skipped)
-    return batches, int(skipped[0].item()), int(skipped[1].item())
+        samples = [None if i is None else _read(s, i) for i in micro]
+        built.bad_rows += sum(sample is None for sample in samples) - micro.count(None)
+        batch, too_long = limit_length(s.processor, samples, s.cfg.data.max_length)
+        built.batches.append(batch)
+        built.tokens += int(predicts_answer(batch["labels"]).sum())
+        built.too_long += len(too_long)
+    return built
+
+
+def _read(s: Setup, i: int) -> Decoded | None:
+    """Row `i` decoded, or None (its slot gets the stand-in) for a bad row under data.on_bad_row: skip."""
+    try:
+        return read(s.data, i)
+    except BadRow as err:
+        where = f"data.train {s.data.uri}: row {i}: {err.reason}"
+        if s.cfg.data.on_bad_row == "error":
+            # the same row fails every attempt: end the run once rather than retry it
+            raise failures.PermanentError(f"{where} (data.on_bad_row: error)") from err
+        log.warning("%s; skipped", where)
+        return None
 
 
 def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
-    """Gather the trainable state (every rank takes part) and write it on rank 0."""
-    gathered = zero.gather_trainable_state(s.engine, s.params)
+    """Gather the trainable state (every rank takes part) and write it on rank 0 as it arrives."""
+    writer = None
+    if s.rank == 0:
+        folder = resume.new_staging_folder(s.cfg, s.step)  # removed at the next start if this rank dies
+        resume.hold_until_uploaded(folder)
+        writer = checkpoint.Writer(folder, shapes(s.params))
+    zero.stream_trainable_state(s.engine, s.params, writer.write if writer is not None else None)
     if s.rank != 0:
         maybe_kill(s.cfg, s.step, s.rank, while_checkpointing=True)
         return None
-    weights, moments = gathered
     state = checkpoint.TrainState(
         step=s.step,
         epoch=s.sampler.epoch(s.step),
@@ -215,12 +260,23 @@ def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
         restarts=s.restarts,
         arch=s.arch.model_type,
         base_model=base_model_fingerprint(hub.resolve(s.cfg.model.path, s.cfg.model.revision)),
-        data_rows=len(s.data) + len(s.data.bad_rows),
+        data_rows=len(s.data),
     )
-    folder = resume.new_staging_folder(s.cfg, s.step)  # removed at the next start if this rank dies
-    checkpoint.save(folder, weights, moments, state, s.engine.module.peft_config["default"])
+    writer.finish(state, s.engine.module.peft_config["default"])
     maybe_kill(s.cfg, s.step, s.rank, while_checkpointing=True)  # written locally, not yet handed to Ray
     return ray.train.Checkpoint.from_directory(folder)
+
+
+def log_preemption(info: ray.train.PreemptionInfo, step: int) -> None:
+    """Say which nodes and ranks a coming preemption takes, and by when."""
+    left = f"in {info.deadline_ms / 1000 - time.time():.0f} s" if info.deadline_ms else "at an unknown time"
+    log.warning(
+        "node(s) %s (ranks %s) will be preempted %s: checkpointing at every step from step %d until then",
+        ", ".join(info.preempted_node_ids),
+        info.preempted_ranks,
+        left,
+        step,
+    )
 
 
 def train_loop_per_worker(cfg: Config) -> list[dict]:
@@ -241,8 +297,14 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
         raise failures.PermanentError.at_start(err, rank) from err
     if s.rank == 0 and s.resumed:
         log.info("resumed from checkpoint at step %d (restart %d)", s.step, s.restarts)
+    # Started after the restore, so the prepared steps begin at the restored one.
+    s.inputs = step_inputs(
+        functools.partial(step_batches, s), range(s.step, cfg.train.max_steps), cfg.data.workers
+    )
     history, started = [], time.perf_counter()
     first_step = s.step
+    reporter = Reporter(cfg.run.report_every_s, s.engine.device, s.step)
+    preempting: ray.train.PreemptionInfo | None = None
     while s.step < cfg.train.max_steps:
         maybe_kill(cfg, s.step, s.rank)
         metrics = train_step(s)
@@ -261,10 +323,30 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
                     metrics["eval_loss"],
                 )
         history.append(metrics)
-        ckpt = save_checkpoint(s) if done or s.step % cfg.train.checkpoint_every == 0 else None
-        ray.train.report(metrics, checkpoint=ckpt)
-        if ckpt is not None:
-            shutil.rmtree(ckpt.path, ignore_errors=True)  # Ray has copied it to storage
+        # Asked at the steps that report anyway, not at every step: each ask is a barrier through Ray's
+        # synchronization actor that costs about what a report does, and Ray's watcher itself looks for
+        # drains only every few seconds. An announcement stands until the group is torn down.
+        if preempting is None and not done and reporter.due(s.step):
+            preempting = ray.train.get_preemption_info()  # the same answer on every rank
+            if preempting is not None and s.rank == 0:
+                log_preemption(preempting, s.step)
+        reporter.add(metrics)
+        # From the announcement until the node goes, every step ends with a checkpoint (reported with
+        # it), so the resume redoes at most the step in progress instead of up to train.checkpoint_every.
+        periodic = done or s.step % cfg.train.checkpoint_every == 0
+        saving = periodic or preempting is not None
+        ckpt = save_checkpoint(s) if saving else None
+        # `saving`, not `ckpt`: only rank 0 gets a checkpoint back, and every rank must report alike
+        if saving or done or reporter.due(s.step):
+            ray.train.report(
+                reporter.take(s.step),
+                checkpoint=ckpt,
+                # async: rank 0's folder is uploaded while training goes on; Ray records the checkpoint
+                # (and hands it out for a resume) only once the upload completed. Both modes delete
+                # the local folder once it is in storage.
+                checkpoint_upload_mode=UPLOAD_MODES[cfg.run.checkpoint_upload],
+                delete_local_checkpoint_after_upload=True,
+            )
         if s.rank == 0 and (done or s.step % max(1, cfg.train.max_steps // 20) == 0):
             rate = (s.step - first_step) / (time.perf_counter() - started)
             log.info(

@@ -5,9 +5,11 @@ per parameter group (`optimizer.fp32_partitioned_groups_flat[i]`), at the offset
 `optimizer.grad_position`. raylora reads and writes those directly:
 - saving gathers whole flat partitions, one collective per group, not one per parameter
   (`safe_get_full_fp32_param` would be one all-gather per LoRA tensor: hundreds per save);
-- restoring writes each rank's slice of the model's partitions, the masters and the moments from the
-  full tensors every rank read from the checkpoint, with no collective at all (`GatheredParameters`
-  is one all-gather and one broadcast per parameter; `safe_set_full_fp32_param` cannot write a last
+- saving hands rank 0 one gathered chunk at a time, which it writes into the checkpoint files before
+  the next arrives: rank 0 never holds the whole trainable state;
+- restoring writes each rank's slice of the model's partitions, the masters and the moments, reading
+  only that slice from the checkpoint, with no collective at all (`GatheredParameters` is one
+  all-gather and one broadcast per parameter; `safe_set_full_fp32_param` cannot write a last
   partition that holds padding).
 `tests/test_zero_internals.py` checks this module against DeepSpeed's public per-parameter API, so a
 DeepSpeed upgrade that moves these internals fails loudly there.
@@ -16,6 +18,8 @@ DeepSpeed upgrade that moves these internals fails loudly there.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,7 +34,8 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
     """The ZeRO-3 DeepSpeed config for this run on `world_size` ranks (bf16 or fp32: `cfg.bf16`)."""
     t = cfg.train
     return {
-        "train_batch_size": t.global_batch_size,
+        # no train_batch_size: DeepSpeed would require micro x accumulation x world to equal it, which a
+        # global batch that does not split evenly over the ranks does not; it derives one instead
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum_steps(world_size),
         "gradient_clipping": t.grad_clip,
@@ -74,32 +79,48 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
     return tuple(param.ds_shape) if is_partitioned(param) else tuple(param.shape)
 
 
-def partition_load(params: dict[str, torch.nn.Parameter], values: dict[str, torch.Tensor]) -> None:
+class Source(Protocol):
+    """What a restore reads from: `checkpoint.Ranges` (a rank's slices, from storage) or
+    `checkpoint.Loaded` (whole tensors in memory)."""
+
+    def weight_range(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+
+    def moment_range(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor: ...
+
+
+def _own_range(param: torch.Tensor, length: int) -> tuple[int, int]:
+    """The flat elements of a parameter that this rank's partition of `length` holds (ZeRO-3's layout:
+    the flattened parameter, padded to world * length, rank r holding slice r; the padding stays zero)."""
+    rank = dist.get_rank(group=param.ds_process_group)
+    return min(rank * length, param.ds_numel), min((rank + 1) * length, param.ds_numel)
+
+
+def partition_load(params: dict[str, torch.nn.Parameter], source: Source) -> None:
     """Write saved weights into the model's ZeRO-3 partitions before `deepspeed.initialize`; no collectives.
 
-    Every rank read the full tensors from the checkpoint, so each writes its own partition of every
-    partitioned parameter (ZeRO-3's layout: the flattened parameter, padded to world * partition size,
-    rank r holding slice r; the padding stays zero) and copies plain parameters (the LoRA tensors PEFT
-    added after `from_pretrained`) whole. Not `GatheredParameters(modifier_rank=0)`: DeepSpeed 0.19 sends
-    one all-gather per parameter entering it and one broadcast per parameter leaving it, to move values
-    every rank already holds. `tests/test_zero_internals.py` reads the result back through that API.
+    Each rank reads and writes only its own partition of every partitioned parameter. The plain
+    parameters (the LoRA tensors PEFT added after `from_pretrained`) are read whole on rank 0 only:
+    `deepspeed.initialize` makes them ZeRO-3 parameters by broadcasting rank 0's values
+    (`Init._zero_init_param`), so what other ranks held would be overwritten. Not
+    `GatheredParameters(modifier_rank=0)`: DeepSpeed 0.19 sends one all-gather per parameter entering it
+    and one broadcast per parameter leaving it. `tests/test_zero_internals.py` reads the result back
+    through that API.
     """
+    rank = dist.get_rank()
     with torch.no_grad():
         for name, param in params.items():
-            if name not in values:
-                continue
-            value = values[name]
             if not is_partitioned(param):
-                param.data.copy_(value.to(param.dtype).view(param.shape))
+                if rank == 0:
+                    param.data.copy_(
+                        source.weight_range(name, 0, param.numel()).to(param.dtype).view(param.shape)
+                    )
                 continue
             if param.ds_status != ZeroParamStatus.NOT_AVAILABLE or param.ds_secondary_tensor is not None:
                 # a live gathered copy, or ZeRO++'s secondary partition, would keep values this misses;
                 # neither exists before `initialize` under raylora's deepspeed_config (no hpZ)
                 raise RuntimeError(f"{name}: expected a released ZeRO-3 partition ({param.ds_status})")
             part = param.ds_tensor
-            length = part.ds_numel
-            rank = dist.get_rank(group=param.ds_process_group)
-            chunk = value.reshape(-1)[rank * length : (rank + 1) * length]
+            chunk = source.weight_range(name, *_own_range(param, part.ds_numel))
             part.data.zero_()
             part.data[: chunk.numel()].copy_(chunk.to(part.dtype))
 
@@ -121,20 +142,24 @@ def ensure_optimizer_state(engine, step: int) -> None:
 
 
 # Elements of a rank's flat partition sent per `gather` at save: rank 0 receives world x 3 rows
-# (master, exp_avg, exp_avg_sq) of this many fp32 values per message, which bounds the extra device
-# memory a save needs whatever the size of a trained vision tower (8 ranks: 1.5 GiB).
+# (master, exp_avg, exp_avg_sq) of this many fp32 values per message, and hands each piece to the
+# checkpoint writer before the next message, so this bounds rank 0's extra memory at save whatever the
+# size of a trained vision tower (8 ranks: 1.5 GiB), and the device memory as well.
 GATHER_CHUNK = 1 << 24
 
+# sink(name, kind, start, values): elements `start...` of parameter `name`'s flattened fp32 master
+# (kind "weight") or Adam moment (kind "exp_avg" / "exp_avg_sq"); `checkpoint.Writer.write` is one.
+Sink = Callable[[str, str, int, torch.Tensor], None]
 
-def gather_trainable_state(
-    engine, params: dict[str, torch.nn.Parameter]
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
-    """Full fp32 masters and Adam moments of `params`, on rank 0 (None elsewhere), in host memory.
+
+def stream_trainable_state(engine, params: dict[str, torch.nn.Parameter], sink: Sink | None) -> None:
+    """Hand the full fp32 masters and Adam moments of `params` to `sink` on rank 0, chunk by chunk.
 
     One `gather` per flat group (per `GATHER_CHUNK` of it) carries the master and both moments of
     every parameter in it. The tensors travel on the device the engine's process group serves (a CPU
-    tensor on an NCCL group is an error); rank 0 moves each message to host memory as it arrives.
-    Every rank must call this. Before the first optimizer step the moments are zeros.
+    tensor on an NCCL group is an error); rank 0 moves each message to host memory, gives `sink` the
+    pieces of every parameter the chunk covers and drops it. Every rank must call this (`sink` is used
+    on rank 0 only). Before the first optimizer step the moments are zeros.
     """
     opt = engine.optimizer
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -142,7 +167,7 @@ def gather_trainable_state(
     by_group: dict[int, list[str]] = defaultdict(list)
     for name, (group, _, _) in slots.items():
         by_group[group].append(name)
-    weights, moments = {}, {}
+    kinds = ("weight", *MOMENTS)
     for group in sorted(by_group):
         flat = opt.fp32_partitioned_groups_flat[group]
         state = opt.optimizer.state.get(flat, {})
@@ -150,51 +175,69 @@ def gather_trainable_state(
             state[k].detach() if k in state else torch.zeros_like(flat) for k in MOMENTS
         ]
         size = flat.numel()  # the same on every rank: ZeRO-3 pads flat partitions to equal length
-        parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
         for start in range(0, size, GATHER_CHUNK):
             local = torch.stack([r[start : start + GATHER_CHUNK] for r in rows]).float()
             local = local.to(engine.device).contiguous()
             gathered = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
             dist.gather(local, gathered, dst=0)
-            if rank == 0:
-                for r, g in enumerate(gathered):
-                    parts[r].append(g.cpu())
-        if rank != 0:
-            continue
-        per_rank = [torch.cat(p, dim=1) for p in parts]
-        for name in by_group[group]:
-            _, offset, length = slots[name]
-            param = params[name]
-            # ZeRO-3 layout: the flattened parameter, padded to world * length, rank r holds slice r.
-            full = torch.cat([g[:, offset : offset + length] for g in per_rank], dim=1)[:, : param.ds_numel]
-            shape = full_shape(param)
-            weights[name] = full[0].reshape(shape).clone()
-            for i, key in enumerate(MOMENTS, start=1):
-                moments[f"{name}.{key}"] = full[i].reshape(shape).clone()
+            if rank != 0:
+                continue
+            stop = start + local.shape[1]
+            chunks = [g.cpu() for g in gathered]
+            for name in by_group[group]:
+                _, offset, length = slots[name]
+                lo, hi = max(offset, start), min(offset + length, stop)
+                if lo >= hi:
+                    continue
+                numel = params[name].ds_numel
+                # ZeRO-3 layout: the flattened parameter, padded to world * length, rank r holds slice r.
+                for r, chunk in enumerate(chunks):
+                    first = r * length + lo - offset  # where this piece starts in the full tensor
+                    count = min(hi - lo, numel - first)  # the padding past the parameter's end is dropped
+                    if count <= 0:
+                        continue
+                    for i, kind in enumerate(kinds):
+                        sink(name, kind, first, chunk[i, lo - start : lo - start + count])
+            del chunks, gathered
+
+
+def gather_trainable_state(
+    engine, params: dict[str, torch.nn.Parameter]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None:
+    """Full fp32 masters and Adam moments of `params`, on rank 0 (None elsewhere), in host memory, as
+    `stream_trainable_state` hands them out. Every rank must call this."""
+    rank = dist.get_rank()
+    weights = {n: torch.empty(full_shape(p)) for n, p in params.items()} if rank == 0 else {}
+    moments = (
+        {f"{n}.{k}": torch.empty(full_shape(p)) for n, p in params.items() for k in MOMENTS}
+        if rank == 0
+        else {}
+    )
+
+    def sink(name: str, kind: str, start: int, values: torch.Tensor) -> None:
+        full = weights[name] if kind == "weight" else moments[f"{name}.{kind}"]
+        full.view(-1)[start : start + values.numel()] = values
+
+    stream_trainable_state(engine, params, sink if rank == 0 else None)
     return (weights, moments) if rank == 0 else None
 
 
-def set_trainable_state(
-    engine,
-    params: dict[str, torch.nn.Parameter],
-    weights: dict[str, torch.Tensor],
-    moments: dict[str, torch.Tensor],
-    step: int,
-) -> None:
-    """Write each rank's slice of the fp32 masters and Adam moments from full tensors; no collectives.
+def set_trainable_state(engine, params: dict[str, torch.nn.Parameter], source: Source, step: int) -> None:
+    """Write each rank's slice of the fp32 masters and Adam moments, read from `source`; no collectives.
 
     The masters matter under bf16: the engine built them from bf16 parameters at `initialize`, which
     lost the fp32 precision the checkpoint kept.
     """
     opt = engine.optimizer
     ensure_optimizer_state(engine, step)
-    rank = dist.get_rank(group=next(iter(params.values())).ds_process_group)
     for name, (group, offset, length) in _slots(engine, params).items():
         flat = opt.fp32_partitioned_groups_flat[group]
-        targets = [(flat, weights[name])]
-        targets += [(opt.optimizer.state[flat][k], moments[f"{name}.{k}"]) for k in MOMENTS]
-        for dest_flat, full in targets:
-            chunk = full.reshape(-1)[rank * length : (rank + 1) * length]
+        start, stop = _own_range(params[name], length)
+        targets = [(flat, source.weight_range(name, start, stop))]
+        targets += [
+            (opt.optimizer.state[flat][k], source.moment_range(name, k, start, stop)) for k in MOMENTS
+        ]
+        for dest_flat, chunk in targets:
             dest = dest_flat.data.narrow(0, offset, length)
             dest.zero_()  # the padding past the parameter's end stays zero, as DeepSpeed keeps it
             dest[: chunk.numel()].copy_(chunk.to(dest.dtype))

@@ -118,6 +118,24 @@ def read_params(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor
     return out
 
 
+def assert_weights_close(
+    reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: float
+) -> None:
+    """Every tensor of `got` within a relative `tol` of `reference` (max abs difference over the reference's
+    max abs value); runs on other worker counts sum gradients in another order, so not bitwise."""
+    worst = 0.0
+    for name, value in reference.items():
+        diff = float((value - got[name]).abs().max())
+        if name.endswith("k_proj.bias"):
+            # Softmax ignores a bias added to every key, so these get a zero gradient in exact arithmetic:
+            # their updates are summation-order noise that Adam normalises up to the learning rate.
+            # They stay at ~1e-6 in both runs; bound them absolutely.
+            assert diff <= tol, name
+            continue
+        worst = max(worst, diff / float(value.abs().max().clamp_min(1e-12)))
+    assert worst <= tol, f"relative difference {worst:.2e} (tolerance {tol:.0e})"
+
+
 def wandb_history(wandb_dir: str | Path) -> list[dict[str, str]]:
     """The history rows W&B wrote in offline mode under `wandb_dir`, values as W&B's JSON strings.
 
@@ -146,3 +164,24 @@ def wandb_history(wandb_dir: str | Path) -> list[dict[str, str]]:
                     # a key stands in `key`, or split into `nested_key` (the W&B core writes either)
                     rows.append({i.key or ".".join(i.nested_key): i.value_json for i in record.history.item})
     return rows
+
+
+def tensorboard_scalars(logdir: str | Path) -> dict[str, dict[int, float]]:
+    """The scalars of the TensorBoard event files under `logdir`: {tag: {step: value}}.
+
+    Read without the tensorboard package: TFRecord framing (8-byte length, 4-byte CRC, the record, 4-byte
+    CRC) around tensorboardX's `Event` protobufs.
+    """
+    from tensorboardX.proto import event_pb2
+
+    scalars: dict[str, dict[int, float]] = {}
+    for path in sorted(Path(logdir).glob("events.out.tfevents.*")):
+        data, pos = path.read_bytes(), 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+    return scalars

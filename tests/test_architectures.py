@@ -18,10 +18,11 @@ from transformers import AutoModelForImageTextToText
 from raylora import checkpoint
 from raylora.arch import REGISTRY, Architecture, detect, lora_target_regex
 from raylora.assets import TINY_ARCHS
-from raylora.data import IGNORE_INDEX, ImageTextData, make_batch
+from raylora.data import IGNORE_INDEX, make_batch
 from raylora.driver import run
 from raylora.processor import load_processor
 from tests.support import on_workers, tiny_run_config
+from tests.test_batches import ANSWERS, END_OF_TURN, SAMPLES
 from tests.test_resume import _restore_probe
 
 PARTS = ("language_model", "vision_tower", "aligner")
@@ -57,20 +58,19 @@ def test_registry_prefixes_match_tiny_model(arch, tiny_models):
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_batch_feeds_forward_and_every_part_learns(arch, tiny_models, digits):
-    """make_batch on the folder's processor gives a batch the model takes, for training and generation."""
+def test_batch_feeds_forward_and_every_part_learns(arch, tiny_models):
+    """make_batch on the folder's processor gives a batch the model takes, for training and generation:
+    a multi-turn sample, one with two images of different sizes and a text-only one, side by side."""
     folder = tiny_models(arch)
     entry = detect(folder)
     processor = load_processor(folder)
     model = AutoModelForImageTextToText.from_pretrained(folder)
-    data = ImageTextData(str(digits[0]))
-    examples = [data.example(i) for i in range(3)]
+    examples = SAMPLES
     batch = make_batch(processor, examples)
     labels = batch.pop("labels")
     tok = processor.tokenizer
-    for row, (_, _, answer) in zip(labels, examples, strict=True):
-        kept = row[row != IGNORE_INDEX].tolist()
-        assert tok.decode(kept[:-1]) == answer and kept[-1] == tok.eos_token_id
+    for row, answers in zip(labels, ANSWERS, strict=True):
+        assert tok.decode(row[row != IGNORE_INDEX]) == " ".join(f"{a} {END_OF_TURN[arch]}" for a in answers)
     model.train()
     logits = model(**batch).logits
     assert logits.shape[:2] == labels.shape

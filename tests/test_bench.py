@@ -26,6 +26,7 @@ RAY_SCRIPTS = [
     "recovery",
     "scale",
     "memory",
+    "data_scale",
 ]
 
 
@@ -85,6 +86,9 @@ def test_bench_script_runs_tiny(script, tmp_path):
     if script == "memory":  # max_length skips the long samples; the peaks are figures, not checked here
         assert result["configurations"]["all on"]["too_long_samples"] > 0
         assert result["configurations"]["all off"]["too_long_samples"] == 0
+    if script == "data_scale":  # every size trained its first step; the ratios are figures, not checked here
+        assert set(result["layouts"]["raylora"]) == {"64", "640"}
+        assert set(result["ratios"]["raylora"]) == {"memory_640_over_64", "startup_640_over_64"}
 
 
 @pytest.mark.slow

@@ -215,3 +215,69 @@ def test_read_error_drill_is_validated():
         config.load(None, [*base, "fault.read_errors=-1"])
     with pytest.raises(ConfigError, match=r"fault.read_error_rank \(2\) must be a rank of 2 workers"):
         config.load(None, [*base, "fault.read_errors=1", "fault.read_error_rank=2"])
+
+
+def test_writer_in_pieces_and_ranged_reads_match_safetensors(tmp_path):
+    """The writer takes pieces in any order and writes what safetensors reads; `Ranges` reads exactly
+    the elements asked for, and only those bytes (besides the headers)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    vis = "model.vision_tower.encoder.layers.0.mlp.fc1.weight"
+    weights = {LORA: torch.randn(4, 8), vis: torch.randn(5, 3)}
+    moments = {f"{n}.{k}": torch.randn_like(t) for n, t in weights.items() for k in checkpoint.MOMENTS}
+    writer = checkpoint.Writer(tmp_path, {n: list(t.shape) for n, t in weights.items()})
+    pieces = [(n, k, start) for n in weights for k in ("weight", *checkpoint.MOMENTS) for start in (0, 5, 9)]
+    for name, kind, start in reversed(pieces):  # the last piece of each tensor first
+        full = weights[name] if kind == "weight" else moments[f"{name}.{kind}"]
+        stop = {0: 5, 5: 9, 9: full.numel()}[start]
+        writer.write(name, kind, start, full.reshape(-1)[start:stop])
+    state = {"step": 4, "epoch": 0, "sampler": {}, "scheduler": {}, "world_size": 2, "config": {}}
+    trainable = {n: list(t.shape) for n, t in weights.items()}
+    writer.finish(checkpoint.TrainState(**state, trainable=trainable, versions={}), _AdapterConfig())
+    loaded = checkpoint.load(tmp_path)  # safetensors' own reader, after the manifest check
+    assert all(torch.equal(loaded.weights[n], t) for n, t in weights.items())
+    assert all(torch.equal(loaded.moments[n], t) for n, t in moments.items())
+    with safe_open(tmp_path / checkpoint.ADAPTER_WEIGHTS, framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert list(f.keys()) == [checkpoint.adapter_key(LORA)]
+    assert load_file(tmp_path / checkpoint.TRAINED_MODULES).keys() == {vis}
+
+    ranges = checkpoint.Ranges(tmp_path)
+    headers = ranges.bytes_read
+    assert torch.equal(ranges.weight_range(vis, 4, 11), weights[vis].reshape(-1)[4:11])
+    assert torch.equal(ranges.moment_range(LORA, "exp_avg_sq", 30, 40), moments[f"{LORA}.exp_avg_sq"][3, 6:])
+    assert ranges.weight_range(LORA, 32, 40).numel() == 0  # a last rank's slice that is all padding
+    assert ranges.bytes_read - headers == 4 * (7 + 2)
+    ranges.close()
+    # a file whose header disagrees with state.json is refused, even where hashes are not read
+    (tmp_path / checkpoint.STATE).write_text(
+        json.dumps({**json.loads((tmp_path / checkpoint.STATE).read_text()), "trainable": {vis: [3, 5]}})
+    )
+    manifest = json.loads((tmp_path / checkpoint.MANIFEST).read_text())
+    manifest["files"][checkpoint.STATE]["bytes"] = (tmp_path / checkpoint.STATE).stat().st_size
+    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(
+        checkpoint.CheckpointError, match=r"entry .*fc1.weight: state.json says shape \[3, 5\]"
+    ):
+        checkpoint.Ranges(tmp_path, hashes=False)
+    with pytest.raises(checkpoint.CheckpointError, match="state.json does not match its sha256"):
+        checkpoint.Ranges(tmp_path)
+
+
+def test_staging_folder_a_live_upload_may_read_is_kept(tmp_path, digits):
+    """A folder that a live process handed to Ray's asynchronous upload stays; one whose process has
+    exited (a crashed rank) is removed."""
+    import subprocess
+    import sys
+
+    cfg = _cfg(tmp_path, digits[0])
+    held, dead = resume.new_staging_folder(cfg, 2), resume.new_staging_folder(cfg, 4)
+    try:
+        resume.hold_until_uploaded(held)
+        hold = f"from raylora import resume; resume.hold_until_uploaded({dead!r})"
+        subprocess.run([sys.executable, "-c", hold], check=True)
+        resume.remove_leftovers(cfg, rank=1)
+        assert Path(held).is_dir() and not Path(dead).exists()
+    finally:
+        shutil.rmtree(resume.staging_folder(cfg), ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,24 @@ def test_setup_downloads_pinned_models_or_fails():
     assert any("mkdir -p /mnt/models" in c and "chown" in c for c in commands)  # the ubuntu user writes there
     for job in ("llava-1.5-7b.yaml", "qwen2-vl-7b.yaml"):  # the shipped 7B jobs train what setup downloads
         assert yaml.safe_load((ROOT / "jobs" / job).read_text())["model"]["path"] in local_dirs
+
+
+def test_spot_gpu_type_beside_the_on_demand_one():
+    raw = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    types = raw["available_node_types"]
+    spot = {n: t for n, t in types.items() if t["node_config"].get("InstanceMarketOptions")}
+    on_demand = {n: t for n, t in types.items() if n not in spot and t["resources"].get("GPU", 0) > 0}
+    assert len(spot) == 1 and on_demand
+    (name, spot_type), gpu = next(iter(spot.items())), next(iter(on_demand.values()))
+    assert spot_type["node_config"].pop("InstanceMarketOptions") == {"MarketType": "spot"}
+    # the same machine, image, disks and role: only the market differs
+    assert spot_type["node_config"] == gpu["node_config"] and spot_type["resources"] == gpu["resources"]
+    assert spot_type["min_workers"] == 0
+    # AWS's interruption notice reaches Ray Train only as a drain: every worker node starts the watcher
+    script = ROOT / "jobs" / "spot_drain.sh"
+    starts = " ".join(raw["worker_start_ray_commands"])
+    assert f"jobs/{script.name} $RAY_HEAD_IP:6379" in starts and "< /dev/null" in starts
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    assert "--reason DRAIN_NODE_REASON_PREEMPTION" in text and "spot/instance-action" in text
+    assert name in (ROOT / "cluster.yaml").read_text().split("cluster_name:")[0]  # the header explains it

@@ -19,8 +19,9 @@ from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint, cli, config
 from raylora.arch import detect
-from raylora.data import ImageTextData, make_batch
+from raylora.data import make_batch, read
 from raylora.evaluate import load_for_inference
+from raylora.formats import open_rows
 from raylora.model import build_model, set_trainable, shapes, trainable_parameters
 from raylora.processor import load_processor
 
@@ -75,8 +76,8 @@ def trained(request, tiny_models, digits, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def batch_examples(digits):
-    data = ImageTextData(str(digits[1]))
-    return [data.example(i) for i in range(3)]
+    data = open_rows(str(digits[1]))
+    return [read(data, i) for i in range(3)]
 
 
 @torch.no_grad()

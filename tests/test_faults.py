@@ -20,7 +20,7 @@ from raylora.config import ConfigError
 from raylora.driver import run
 from raylora.failures import PermanentError
 from raylora.progress import read_metrics
-from tests.support import tiny_run_config
+from tests.support import assert_weights_close, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -164,12 +164,13 @@ def test_kill_while_checkpointing_then_resume_bitwise(straight, tiny_models, dig
         assert torch.equal(value, final.weights[name]), name
 
 
-def test_other_worker_counts_2_1_2(straight, tiny_models, digits):
+def test_other_worker_counts_2_1_3(straight, tiny_models, digits):
     storage, _ = straight
     base = [f"train.max_steps={STEPS}", "lora.dropout=0.0", "run.max_failures=0", "fault.kill_rank=0"]
     model, data = tiny_models("llava"), digits[0]
     reference = run(tiny_run_config(model, data, storage, "elastic-ref", *base))
-    # 2 workers until step 4 (the drill then fails the run), 1 worker until step 8, 2 workers to the end
+    # 2 workers until step 4 (the drill then fails the run), 1 worker until step 8, 3 workers to the end:
+    # 8 samples over 3 ranks are shares of 3, 3 and 2, so the last rank's second pass is a stand-in
     with pytest.raises(TrainingFailedError):
         run(tiny_run_config(model, data, storage, "elastic", *base, "fault.kill_at_steps=5"))
     with pytest.raises(TrainingFailedError):
@@ -178,23 +179,14 @@ def test_other_worker_counts_2_1_2(straight, tiny_models, digits):
                 model, data, storage, "elastic", *base, "fault.kill_at_steps=9", "scaling.num_workers=1"
             )
         )
-    third = run(tiny_run_config(model, data, storage, "elastic", *base, "scaling.num_workers=2"))
+    third = run(tiny_run_config(model, data, storage, "elastic", *base, "scaling.num_workers=3"))
     assert third.error is None
     ref, got = _final(reference), _final(third)
-    assert got.state.step == STEPS and got.state.world_size == 2 and got.state.restarts == 2
+    assert got.state.step == STEPS and got.state.world_size == 3 and got.state.restarts == 2
     rows = read_metrics(str(storage), "elastic")
     assert [r["step"] for r in rows if r["restarts"] == 1][0] == 5  # resumed on 1 worker at the step-4 ckpt
-    worst = 0.0
-    for name, value in ref.weights.items():
-        diff = float((value - got.weights[name]).abs().max())
-        if name.endswith("k_proj.bias"):
-            # Softmax ignores a bias added to every key, so these get a zero gradient in exact arithmetic:
-            # their updates are summation-order noise that Adam normalises up to the learning rate.
-            # They stay at ~1e-6 in both runs; bound them absolutely.
-            assert diff <= 1e-5, name
-            continue
-        worst = max(worst, diff / float(value.abs().max().clamp_min(1e-12)))
-    assert worst <= 1e-5, f"relative difference {worst:.2e} after resuming on other worker counts"
+    assert [r["world_size"] for r in rows if r["restarts"] == 2] == [3] * (STEPS - 8)
+    assert_weights_close(ref.weights, got.weights, 1e-5)
 
 
 def test_damaged_latest_checkpoint_falls_back_to_intact_one(straight, tiny_models, digits, caplog):

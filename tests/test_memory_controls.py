@@ -19,8 +19,9 @@ from raylora import checkpoint, config
 from raylora.arch import detect
 from raylora.assets import PROMPT, TINY_ARCHS
 from raylora.config import ConfigError
-from raylora.data import IGNORE_INDEX, ImageTextData, check_max_length, limit_length, make_batch
+from raylora.data import IGNORE_INDEX, check_max_length, limit_length, make_batch, read
 from raylora.driver import preflight
+from raylora.formats import open_rows
 from raylora.loss import answer_token_losses
 from raylora.model import add_lora, base_name, prepare_for_training, set_trainable
 from raylora.processor import load_processor
@@ -30,12 +31,12 @@ LONG_PROMPT = " ".join([PROMPT] * 4)
 
 
 def _examples(digits, n: int = 3) -> list:
-    data = ImageTextData(str(digits[0]))
+    data = open_rows(str(digits[0]))
+    examples = [read(data, j) for j in range(n)]
     # prompts of different lengths, so rows are padded and answers sit at different positions
-    return [
-        (img, prompt if i % 2 else LONG_PROMPT, answer)
-        for i, (img, prompt, answer) in enumerate(data.example(j) for j in range(n))
-    ]
+    for messages, _ in examples[::2]:
+        messages[0]["content"][1]["text"] = LONG_PROMPT
+    return examples
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -239,8 +240,8 @@ def test_too_long_skipped_with_checkpointing_and_resume_equals_straight_run(
     folder = tiny_models("qwen2_vl")
     train, long_rows = _mixed_lengths(digits, tmp_path)
     processor = load_processor(folder)
-    data = ImageTextData(train)
-    short = make_batch(processor, [data.example(1)])["attention_mask"].sum().item()
+    data = open_rows(train)
+    short = make_batch(processor, [read(data, 1)])["attention_mask"].sum().item()
     steps = 3
     base = [f"train.max_steps={steps}", "train.gradient_checkpointing=true", f"data.max_length={short}"]
     results = {}

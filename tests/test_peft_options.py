@@ -20,9 +20,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint, cli, config
-from raylora.data import ImageTextData, make_batch
+from raylora.data import make_batch, read
 from raylora.driver import preflight, run
 from raylora.evaluate import load_for_inference
+from raylora.formats import open_rows
 from raylora.model import add_lora, base_name, set_trainable, trainable_parameters
 from raylora.processor import load_processor
 from tests.support import on_workers, tiny_run_config
@@ -45,7 +46,7 @@ def trained(request, ray_cluster, tiny_models, digits, tmp_path_factory):
     result = run(cfg)
     assert result.error is None
     folder = result.best_checkpoints[0][0].path  # step 2, mid-schedule: moments are nonzero
-    examples = [ImageTextData(str(digits[1])).example(i) for i in range(3)]
+    examples = [read(open_rows(str(digits[1])), i) for i in range(3)]
     probe_cfg = tiny_run_config(model_dir, digits[0], storage, "probe", *SHORT, *RUNS[name])
     probe = on_workers(lambda: _restore_probe(probe_cfg, folder, examples), storage, "probe")
     return {

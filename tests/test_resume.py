@@ -122,6 +122,45 @@ def test_plain_peft_loads_the_adapter(runs):
         assert torch.equal(loaded[name].detach(), tensor), name
 
 
+def test_async_upload_killed_right_after_a_checkpoint_resumes_exactly(runs, digits):
+    """Rank 0 dies right after handing the step-2 checkpoint to Ray's asynchronous upload: the run
+    resumes only from a checkpoint Ray recorded (step 2's if its upload completed, else none) and ends
+    equal to the uninterrupted run, bit for bit."""
+    import pyarrow.fs
+
+    from raylora import resume
+    from raylora.driver import run
+
+    if runs["arch"] != "llava":
+        pytest.skip("one architecture shows it")
+    name = "async-killed"
+    cfg = tiny_run_config(
+        runs["model_dir"],
+        digits[0],
+        runs["storage"],
+        name,
+        VISION_LR,
+        "run.checkpoint_upload=async",
+        "fault.kill_at_steps=2",
+        "fault.kill_rank=0",
+    )
+    result = run(cfg)
+    assert result.error is None
+    straight, killed = _final(runs["straight"]), _final(result)
+    assert killed.state.restarts == 1 and killed.state.step == 6
+    for name_, value in straight.weights.items():
+        assert torch.equal(value, killed.weights[name_]), f"{name_} differs after resume"
+    for name_, value in straight.moments.items():
+        assert torch.equal(value, killed.moments[name_]), f"{name_} differs after resume"
+    resumed_from = result.return_value[0]["step"] - 1
+    assert resumed_from in (0, 2), resumed_from
+    run_dir = Path(runs["storage"]) / name
+    recorded = resume.recorded_checkpoints(pyarrow.fs.LocalFileSystem(), str(run_dir))
+    assert recorded, "Ray recorded no checkpoint"
+    for folder in recorded:  # every checkpoint Ray may hand out is complete
+        checkpoint.verify(run_dir / folder)
+
+
 def _restore_probe(cfg, folder: str, examples: list | None = None) -> dict:
     """On each rank: restore from `folder`, then read back what the engine holds before any step
     (and, given `examples`, the restored ZeRO-3 model's logits on them, in eval mode)."""

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 from PIL import Image
 
 from raylora import config
-from raylora.data import BadRowError, ImageTextData
 from raylora.driver import preflight
+from raylora.formats import BadRow, load_image, open_rows
 from raylora.redact import redact
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,22 +40,27 @@ def _table(path: Path) -> Path:
     return path
 
 
-def test_bad_rows_are_skipped_and_counted(tmp_path):
-    data = ImageTextData(str(_table(tmp_path / "d.parquet")))
-    assert len(data) == 2 and data.answers == ["one", "four"]
-    assert [row for row, _ in data.bad_rows] == [1, 2, 4]
-    reasons = dict(data.bad_rows)
-    assert (
-        "does not decode" in reasons[1] and reasons[2] == "empty answer" and "does not decode" in reasons[4]
-    )
-    image, prompt, answer = data.example(1)
-    assert image.size == (8, 8) and answer == "four"
+def _reason(rows, i: int) -> str | None:
+    try:
+        for entry in rows.sample(i).images:
+            load_image(entry)
+    except BadRow as err:
+        return err.reason
+    return None
 
 
-def test_bad_row_with_error_mode_names_the_row_before_ray_starts(tmp_path, tiny_models):
+def test_bad_rows_name_their_reason_when_read(tmp_path):
+    rows = open_rows(str(_table(tmp_path / "d.parquet")))
+    assert len(rows) == 5  # every row counts: a bad one is met (and skipped) when a step reads it
+    reasons = [_reason(rows, i) for i in range(5)]
+    assert reasons[0] is None and reasons[3] is None and reasons[2] == "empty answer"
+    assert "does not decode" in reasons[1] and "does not decode" in reasons[4]
+    assert load_image(rows.sample(3).images[0]).size == (8, 8)
+
+
+def test_preflight_reads_no_images(tmp_path, tiny_models):
+    """Bad rows are met when used (data.on_bad_row decides then): the start checks the schema only."""
     path = _table(tmp_path / "d.parquet")
-    with pytest.raises(BadRowError, match=r"d.parquet: row 1: image does not decode"):
-        ImageTextData(str(path), on_bad_row="error")
     cfg = config.load(
         None,
         [
@@ -67,8 +71,7 @@ def test_bad_row_with_error_mode_names_the_row_before_ray_starts(tmp_path, tiny_
             "train.micro_batch_size=1",
         ],
     )
-    with pytest.raises(config.ConfigError, match="row 1"):
-        preflight(cfg)
+    assert preflight(cfg).model_type == "llava"
 
 
 def test_saved_config_is_redacted(monkeypatch):

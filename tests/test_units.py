@@ -10,7 +10,8 @@ import torch
 from raylora import checkpoint
 from raylora.arch import REGISTRY, detect, lora_target_regex
 from raylora.config import ConfigError
-from raylora.data import IGNORE_INDEX, GlobalSampler, ImageTextData, make_batch
+from raylora.data import IGNORE_INDEX, GlobalSampler, end_of_turn_ids, last_answer, make_batch, read
+from raylora.formats import open_rows
 from raylora.processor import load_processor
 
 
@@ -60,17 +61,63 @@ def test_sampler_is_global_and_deterministic():
         assert shares == s.global_batch(7)
 
 
+def test_uneven_global_batch_splits_within_one_sample():
+    from raylora import config
+
+    cfg = config.load(
+        None,
+        [
+            "model.path=m",
+            "data.train=t.parquet",
+            "scaling.num_workers=[8,16]",
+            "train.global_batch_size=128",
+            "train.micro_batch_size=4",
+        ],
+    )
+    s = GlobalSampler(num_samples=1000, global_batch_size=128, seed=0)
+    for world in cfg.world_sizes:
+        shares = s.shares(world)
+        assert sum(shares) == 128 and max(shares) - min(shares) <= 1, (world, shares)
+        micro = [s.micro_batches(3, rank, world, 4) for rank in range(world)]
+        # ZeRO-3: every rank runs as many micro batches as the engine accumulates
+        assert {len(m) for m in micro} == {cfg.grad_accum_steps(world)}, world
+        assert [i for m in micro for mb in m for i in mb if i is not None] == s.global_batch(3)
+        for rank, m in enumerate(micro):
+            assert sum(len(mb) for mb in m if mb != [None]) == shares[rank]
+            assert all(mb != [None] for mb in m[:-1]) and all(len(mb) <= 4 for mb in m)
+    # 8 over 3 ranks, 2 per micro batch: shares 3, 3, 2; the last rank's second pass is a stand-in
+    s = GlobalSampler(num_samples=100, global_batch_size=8, seed=0)
+    batch = s.global_batch(0)
+    assert [s.micro_batches(0, r, 3, 2) for r in range(3)] == [
+        [batch[0:2], batch[2:3]],
+        [batch[3:5], batch[5:6]],
+        [batch[6:8], [None]],
+    ]
+    with pytest.raises(
+        ConfigError, match=r"train.global_batch_size \(4\) is smaller than scaling.num_workers"
+    ):
+        config.load(
+            None,
+            [
+                "model.path=m",
+                "data.train=t.parquet",
+                "scaling.num_workers=[2,6]",
+                "train.global_batch_size=4",
+            ],
+        )
+
+
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
 def test_batches_train_only_on_answer_tokens(arch, tiny_models, digits):
     processor = load_processor(tiny_models(arch))
-    data = ImageTextData(str(digits[0]))
-    examples = [data.example(i) for i in range(3)]
+    data = open_rows(str(digits[0]))
+    examples = [read(data, i) for i in range(3)]
     batch = make_batch(processor, examples)
     labels = batch["labels"]
     tok = processor.tokenizer
-    for row, (_, _, answer) in zip(labels, examples, strict=True):
-        kept = row[row != IGNORE_INDEX].tolist()
-        assert tok.decode(kept[:-1]) == answer and kept[-1] == tok.eos_token_id
+    for row, (messages, _) in zip(labels, examples, strict=True):
+        kept = row[row != IGNORE_INDEX].tolist()  # the answer and the token that ends the assistant's turn
+        assert tok.decode(kept[:-1]) == last_answer(messages) and kept[-1] == end_of_turn_ids(processor)[-1]
     assert batch["input_ids"].shape == labels.shape == batch["attention_mask"].shape
     gen = make_batch(processor, examples, with_answers=False)
     assert "labels" not in gen and (gen["input_ids"][:, -1] != tok.pad_token_id).all()  # left padded

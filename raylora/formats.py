@@ -1,0 +1,422 @@
+"""The data formats raylora reads, each row into one `raylora.sample.Sample` (README: Data formats).
+
+- `raylora`: Parquet with columns image (encoded bytes), prompt, answer: one user turn, one answer.
+- `chat`: Parquet or JSONL with `messages` (Hugging Face chat style) and `images` (encoded bytes,
+  `{bytes, path}` structs as `datasets` writes its Image feature, or paths).
+- `llava`: JSON (an array) or JSONL with `conversations` (`{from, value}` turns, `<image>` placeholders)
+  and `image` (a path or a list of paths, against `data.image_root`).
+
+Each may be one file, a folder of Parquet files (what Ray Data and `raylora prepare-data` write), or a folder
+that `datasets.save_to_disk` wrote (its Arrow files are read here, without `datasets`); local or through any
+pyarrow filesystem URI. Rows are read when a batch uses them, never at the start, so that memory and start-up
+per rank stay flat however many rows there are; images are decoded only in `load_image`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import io
+import json
+import os
+import posixpath
+import re
+from collections import OrderedDict
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs
+import pyarrow.parquet as pq
+from PIL import Image
+
+from raylora.config import ConfigError
+from raylora.sample import Sample
+from raylora.storage import filesystem, is_uri
+
+# The fields that make each format, in the order detection tries them (the most specific first).
+FIELDS = {"chat": ("messages",), "llava": ("conversations",), "raylora": ("image", "prompt", "answer")}
+FORMATS = ("raylora", "chat", "llava")
+ACCEPTED = (
+    "raylora (Parquet: image, prompt, answer), chat (Parquet or JSONL: messages, images), "
+    "llava (JSON or JSONL: conversations, image); as a file, a folder of Parquet files or a "
+    "datasets.save_to_disk folder"
+)
+# The fields each format reads (an optional one may be absent).
+READS = {**FIELDS, "chat": ("messages", "images"), "llava": ("conversations", "image")}
+CHAT_ROLES = ("system", "user", "assistant")
+LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+IMAGE = {"type": "image"}
+# LLaVA writes "<image>\n" before the question: the placeholder's own line break goes with it.
+PLACEHOLDER = re.compile(r"\n?<image>\n?")
+# Decoded Parquet row groups kept per process. The sampler visits rows in a random order, so a cache only
+# pays where the whole data set is a few row groups (it then stays decoded); a big one has small row groups
+# (prepare-data writes them) that are cheap to read again, and a bound keeps memory flat in the rows.
+ROW_GROUP_CACHE = 4
+CHUNK = 1 << 24  # bytes a JSONL file is scanned by: the index never holds the file
+
+
+class BadRow(Exception):
+    """A row that cannot be trained on; `reason` says why."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def load_image(entry: bytes | str) -> Image.Image:
+    """The image of one `Sample.images` entry (encoded bytes, or a path/URI), decoded to RGB."""
+    try:
+        if isinstance(entry, str):
+            fs, path = filesystem(entry)
+            with fs.open_input_file(path) as f:
+                entry = f.read()
+        with Image.open(io.BytesIO(entry)) as img:
+            return img.convert("RGB")  # decodes every pixel: a truncated file fails here, not in a batch
+    except FileNotFoundError as err:
+        raise BadRow(f"image not found: {err}") from err
+    except Exception as err:  # PIL and the filesystems raise many types for a broken file
+        raise BadRow(f"image does not decode ({type(err).__name__}: {err})") from err
+
+
+class Rows:
+    """The rows of one source, read lazily; `sample(i)` raises `BadRow` for a row that cannot be trained on.
+
+    Picklable (the input pipeline's processes get a copy): open files and caches are reopened after.
+    """
+
+    def __init__(self, uri: str, fmt: str, records: _Records, image_root: str):
+        self.uri, self.format, self.records, self.image_root = uri, fmt, records, image_root
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def sample(self, i: int) -> Sample:
+        return SAMPLES[self.format](self.records.record(i), self.resolve)
+
+    def resolve(self, path: str) -> str:
+        """An image path as a row holds it, made a path/URI this process can open."""
+        return path if is_uri(path) or os.path.isabs(path) else posixpath.join(self.image_root, path)
+
+
+def open_rows(uri: str, fmt: str | None = None, image_root: str | None = None) -> Rows:
+    """The rows of `uri` (a file or folder, local or a pyarrow URI) in `fmt`, or the format detected."""
+    return _open(uri, "data", fmt, image_root)
+
+
+def check_source(
+    uri: str, key: str, fmt: str | None = None, image_root: str | None = None
+) -> tuple[str, int]:
+    """(format, rows) of `uri`, or a `ConfigError` naming `key`: the preflight, before Ray starts.
+
+    Reads metadata and schemas (JSON: the record boundaries), never a row's images."""
+    if image_root and not is_uri(image_root) and not os.path.isdir(image_root):
+        raise ConfigError(f"data.image_root: folder not found: {image_root}")
+    rows = _open(uri, key, fmt, image_root)
+    if not len(rows):
+        raise ConfigError(f"{key}: {uri} has no rows")
+    return rows.format, len(rows)
+
+
+def _open(uri: str, key: str, fmt: str | None, image_root: str | None) -> Rows:
+    if fmt is not None and fmt not in FORMATS:
+        raise ConfigError(f"data.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    fs, path = filesystem(uri)
+    try:
+        info = fs.get_file_info(path)
+    except (OSError, pa.ArrowException) as err:
+        raise ConfigError(f"{key}: cannot reach {uri}: {err}") from err
+    if info.type == pyarrow.fs.FileType.NotFound:
+        raise ConfigError(f"{key}: data file or folder not found: {uri}")
+    try:
+        if info.type == pyarrow.fs.FileType.Directory:
+            records, root = _folder(fs, path, key, uri), uri
+        else:
+            records, root = _file(fs, path, key, uri), posixpath.dirname(uri.rstrip("/"))
+    except (OSError, ValueError, BadRow, pa.ArrowException) as err:  # ValueError: json's errors
+        raise ConfigError(f"{key}: {uri} is not readable as data ({type(err).__name__}: {err})") from err
+    names = records.names
+    if fmt is None:
+        fmt = next((f for f, needs in FIELDS.items() if set(needs) <= set(names)), None)
+    if fmt is None or not set(FIELDS[fmt]) <= set(names):
+        what = (
+            f"is not in the {fmt} format (data.format), which needs {', '.join(FIELDS[fmt])}"
+            if fmt
+            else ("is in no known format")
+        )
+        raise ConfigError(
+            f"{key}: {uri} {what}; its fields: {', '.join(names) or 'none'}. Formats accepted: {ACCEPTED}"
+        )
+    records.columns = [n for n in names if n in READS[fmt]]
+    return Rows(uri, fmt, records, image_root or root)
+
+
+def _file(fs, path: str, key: str, uri: str) -> _Records:
+    ext = posixpath.splitext(path)[1].lower()
+    if ext in (".parquet", ".pq"):
+        return _Parquet(fs, [path])
+    if ext in (".json", ".jsonl", ".ndjson"):
+        return _Json(fs, path)
+    with fs.open_input_file(path) as f:
+        head = f.read(4)
+    if head == b"PAR1":
+        return _Parquet(fs, [path])
+    if head.lstrip()[:1] in (b"[", b"{"):
+        return _Json(fs, path)
+    raise ConfigError(f"{key}: {uri} is neither Parquet nor JSON/JSONL. Formats accepted: {ACCEPTED}")
+
+
+def _folder(fs, path: str, key: str, uri: str) -> _Records:
+    entries = fs.get_file_info(pyarrow.fs.FileSelector(path, recursive=True))
+    names = {posixpath.relpath(e.path, path): e for e in entries if e.type == pyarrow.fs.FileType.File}
+    if "state.json" in names:  # datasets.save_to_disk
+        with fs.open_input_file(posixpath.join(path, "state.json")) as f:
+            state = json.loads(f.read())
+        return _Arrow(fs, [posixpath.join(path, d["filename"]) for d in state["_data_files"]])
+    if "dataset_dict.json" in names:
+        splits = sorted({n.split("/")[0] for n in names if "/" in n})
+        raise ConfigError(
+            f"{key}: {uri} holds a datasets DatasetDict; point {key} at one split's folder "
+            f"({', '.join(posixpath.join(uri, s) for s in splits)})"
+        )
+    parquet = sorted(posixpath.join(path, n) for n in names if n.endswith((".parquet", ".pq")))
+    if not parquet:
+        raise ConfigError(
+            f"{key}: {uri} is a folder with neither Parquet files nor a datasets.save_to_disk state.json "
+            f"(files: {', '.join(sorted(names)[:5]) or 'none'}). Formats accepted: {ACCEPTED}"
+        )
+    return _Parquet(fs, parquet)
+
+
+class _Records:
+    """Rows of a source as plain dicts: `names` (its fields), `columns` (those read), `record(i)`."""
+
+    names: list[str]
+    columns: list[str] | None = None
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def record(self, i: int) -> dict:
+        raise NotImplementedError
+
+    def __getstate__(self) -> dict:  # open files and caches stay in the process that opened them
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+class _Parquet(_Records):
+    """Parquet files, one row group read (and cached) when a row in it is used; the footers say the rest."""
+
+    def __init__(self, fs, files: list[str]):
+        self.fs, self.files, self.groups, starts = fs, files, [], [0]
+        for k, path in enumerate(files):
+            meta = pq.read_metadata(path, filesystem=fs)
+            if k == 0:
+                self.names = meta.schema.to_arrow_schema().names
+            for g in range(meta.num_row_groups):
+                self.groups.append((k, g))
+                starts.append(starts[-1] + meta.row_group(g).num_rows)
+        self.starts = np.asarray(starts, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def record(self, i: int) -> dict:
+        g = bisect.bisect_right(self.starts, i) - 1
+        cache = self.__dict__.setdefault("_cache", OrderedDict())
+        if g not in cache:
+            k, group = self.groups[g]
+            # A file's footer is parsed once per process: with many small row groups it is large (about
+            # 1 KB a group), and parsing it at every read cost ten times the row group's own read.
+            footers = self.__dict__.setdefault("_footers", {})
+            if k not in footers:
+                footers[k] = pq.read_metadata(self.files[k], filesystem=self.fs)
+            with self.fs.open_input_file(self.files[k]) as f:
+                cache[g] = pq.ParquetFile(f, metadata=footers[k]).read_row_group(group, columns=self.columns)
+            if len(cache) > ROW_GROUP_CACHE:
+                cache.popitem(last=False)
+        cache.move_to_end(g)
+        return cache[g].slice(i - int(self.starts[g]), 1).to_pylist()[0]
+
+
+class _Arrow(_Records):
+    """A `datasets.save_to_disk` folder: its Arrow stream files, memory-mapped, so rows cost no memory of
+    their own and the OS pages in what is read (zero copy). Not through `datasets`, which pulls in much more
+    at every start. A remote (URI) folder has no memory map: its files are read whole, once."""
+
+    def __init__(self, fs, files: list[str]):
+        self.fs, self.files = fs, files
+        table = self._table()
+        self.names, self.rows = table.schema.names, table.num_rows
+
+    def _table(self) -> pa.Table:
+        if "_tables" not in self.__dict__:
+            local = isinstance(self.fs, pyarrow.fs.LocalFileSystem)
+            sources = [pa.memory_map(p) if local else self.fs.open_input_stream(p) for p in self.files]
+            self._tables = pa.concat_tables(pa.ipc.open_stream(s).read_all() for s in sources)
+        return self._tables
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def record(self, i: int) -> dict:
+        table = self._table()
+        return table.select(self.columns or table.schema.names).slice(i, 1).to_pylist()[0]
+
+
+class _Json(_Records):
+    """A JSON array or JSONL file, by a byte-offset index of its records (16 bytes a row): a record is read
+    and parsed when used, so a rank holds neither the file nor its parsed objects. Building the index is
+    one pass over the file at the start, which a JSON array (no line boundaries) needs in full."""
+
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
+        with fs.open_input_stream(path) as f:
+            head = f.read(CHUNK)
+            if head.lstrip()[:1] == b"[":
+                self.spans = _array_spans(head + f.read())
+            else:
+                self.spans = _line_spans(head, f)
+        first = self.record(0) if len(self.spans) else {}
+        self.names = list(first)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def record(self, i: int) -> dict:
+        if "_file" not in self.__dict__:
+            self._file = self.fs.open_input_file(self.path)
+        start, end = (int(x) for x in self.spans[i])
+        try:
+            rec = json.loads(self._file.read_at(end - start, start))
+        except ValueError as err:
+            raise BadRow(f"not valid JSON ({err})") from err
+        if not isinstance(rec, dict):
+            raise BadRow(f"a JSON {type(rec).__name__}, not an object")
+        return rec
+
+
+def _line_spans(chunk: bytes, stream) -> np.ndarray:
+    """(start, end) byte offsets of JSONL's lines that hold a record, read chunk by chunk."""
+    breaks, offset = [], 0
+    while chunk:
+        breaks.append(np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == ord("\n")) + offset)
+        offset += len(chunk)
+        chunk = stream.read(CHUNK)
+    ends = np.concatenate([*breaks, [offset]]).astype(np.int64)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    # A line of a few bytes ("", "\r", " ") holds no JSON object: `{"a":1}` alone takes 7.
+    spans = np.stack([starts, ends], axis=1)
+    return spans[ends - starts > 2]
+
+
+def _array_spans(data: bytes) -> np.ndarray:
+    """(start, end) byte offsets of a JSON array's elements, each decoded once and dropped."""
+    text, decoder, spans = data.decode("utf-8"), json.JSONDecoder(), []
+    space = re.compile(r"[\s,]*")
+    pos = space.match(text, text.index("[") + 1).end()
+    while pos < len(text) and text[pos] != "]":
+        _, end = decoder.raw_decode(text, pos)
+        spans.append((pos, end))
+        pos = space.match(text, end).end()
+    if not text.isascii():  # character offsets to byte offsets, piece by piece
+        byte, last, out = 0, 0, []
+        for start, end in spans:
+            byte += len(text[last:start].encode())
+            size = len(text[start:end].encode())
+            out.append((byte, byte + size))
+            byte, last = byte + size, end
+        spans = out
+    return np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+
+
+def _text(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def _image_entry(value, resolve) -> bytes | str:
+    """One image as a row holds it (bytes, a `{bytes, path}` struct, a path) as a `Sample.images` entry."""
+    if isinstance(value, dict):
+        value = value.get("bytes") or value.get("path")
+    if isinstance(value, (bytes, bytearray)) and value:
+        return bytes(value)
+    if isinstance(value, str) and value:
+        return resolve(value)
+    raise BadRow(f"image missing or empty ({type(value).__name__})")
+
+
+def _checked(messages: list[dict], images: list) -> Sample:
+    """The Sample, or `BadRow` when nothing in it can be trained on or its images do not match."""
+    answers = [t for t in messages if t["role"] == "assistant"]
+    if not answers:
+        raise BadRow("no assistant turn")
+    if any(not "".join(p.get("text", "") for p in t["content"]).strip() for t in answers):
+        raise BadRow("empty answer")
+    sample = Sample(messages, images)
+    if sample.image_count != len(images):
+        raise BadRow(f"{sample.image_count} image placeholders, {len(images)} images")
+    return sample
+
+
+def _raylora(rec: dict, resolve) -> Sample:
+    if rec.get("prompt") is None:
+        raise BadRow("missing prompt")
+    has_image = rec.get("image") is not None  # no image at all: a text-only sample
+    images = [_image_entry(rec["image"], resolve)] if has_image else []
+    user = [IMAGE, _text(rec["prompt"])] if has_image else [_text(rec["prompt"])]
+    answer = rec.get("answer") or ""
+    return _checked(
+        [{"role": "user", "content": user}, {"role": "assistant", "content": [_text(answer)]}], images
+    )
+
+
+def _chat(rec: dict, resolve) -> Sample:
+    messages, inline = [], []
+    for turn in _turns(rec.get("messages"), "messages"):
+        role, content = turn.get("role"), turn.get("content")
+        if role not in CHAT_ROLES:
+            raise BadRow(f"unknown role {role!r} (system, user, assistant)")
+        if isinstance(content, str):
+            parts = [_text(content)]
+        elif isinstance(content, list):
+            parts = []
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "text":
+                    parts.append(_text(part.get("text") or ""))
+                elif kind == "image":  # HF style may carry the image in the part itself
+                    parts.append(IMAGE)
+                    inline.append(part.get("image") or part.get("path") or part.get("url"))
+                else:
+                    raise BadRow(f"unknown content part {part!r:.60} (type image or text)")
+        else:
+            raise BadRow(f"a {role} turn without content")
+        messages.append({"role": role, "content": parts})
+    images = rec.get("images")
+    images = [i for i in inline if i is not None] if images is None else images
+    return _checked(messages, [_image_entry(v, resolve) for v in images])
+
+
+def _llava(rec: dict, resolve) -> Sample:
+    messages = []
+    for turn in _turns(rec.get("conversations"), "conversations"):
+        role, value = LLAVA_ROLES.get(turn.get("from")), turn.get("value")
+        if role is None:
+            raise BadRow(f"unknown speaker {turn.get('from')!r} (human, gpt, system)")
+        if not isinstance(value, str):
+            raise BadRow(f"a {turn.get('from')} turn without a string value")
+        pieces = PLACEHOLDER.split(value)
+        parts = [_text(pieces[0])] if pieces[0] else []
+        for piece in pieces[1:]:
+            parts += [IMAGE, _text(piece)] if piece else [IMAGE]
+        messages.append({"role": role, "content": parts})
+    image = rec.get("image")
+    paths = [] if image is None else [image] if isinstance(image, str) else list(image)
+    return _checked(messages, [_image_entry(p, resolve) for p in paths])
+
+
+def _turns(value, field: str) -> list[dict]:
+    if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
+        raise BadRow(f"{field} is not a non-empty list of turns")
+    return value
+
+
+SAMPLES = {"raylora": _raylora, "chat": _chat, "llava": _llava}

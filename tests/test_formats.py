@@ -1,0 +1,347 @@
+"""Every data format reads the same digits into the same samples, and trains to the same weights.
+
+Unit tests (no Ray) read the formats and their refusals; the distributed test trains 2 workers on each
+format, killed and resumed, and compares the final weights with one uninterrupted run on raylora Parquet.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from raylora import checkpoint, config, formats
+from raylora.config import ConfigError
+from raylora.formats import BadRow, check_source, load_image, open_rows
+from raylora.sample import Sample
+
+ROWS = 64  # enough for 4 steps of 8 samples without repeating an epoch
+
+
+def write_sources(train_parquet: str | Path, out: Path, rows: int = ROWS) -> dict[str, dict]:
+    """The first `rows` rows of the digits in every format: {name: {"uri", "format", "overrides"}}."""
+    import datasets
+
+    table = pq.read_table(train_parquet).slice(0, rows)
+    images, prompts, answers = (table.column(c).to_pylist() for c in ("image", "prompt", "answer"))
+    folder = out / "images"
+    folder.mkdir(parents=True)
+    for i, image in enumerate(images):
+        (folder / f"{i}.png").write_bytes(image)
+
+    def chat(prompt: str, answer: str, plain: bool) -> list[dict]:
+        return [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]},
+            # content as a plain string, the other form it takes (Arrow needs one type per column)
+            {"role": "assistant", "content": answer if plain else [{"type": "text", "text": answer}]},
+        ]
+
+    messages = [chat(p, a, plain=False) for p, a in zip(prompts, answers, strict=True)]
+    pq.write_table(table, out / "raylora.parquet")
+    pq.write_table(pa.table({"messages": messages, "images": [[i] for i in images]}), out / "chat.parquet")
+    parts = out / "parts"  # a folder of Parquet files with small row groups, as Ray Data writes
+    parts.mkdir()
+    half = rows // 2
+    for k, (start, stop) in enumerate([(0, half), (half, rows)]):
+        piece = pa.table({"messages": messages[start:stop], "images": [[i] for i in images[start:stop]]})
+        pq.write_table(piece, parts / f"part-{k}.parquet", row_group_size=5)
+    with open(out / "chat.jsonl", "w") as f:
+        for i, (p, a) in enumerate(zip(prompts, answers, strict=True)):
+            f.write(json.dumps({"messages": chat(p, a, plain=True), "images": [f"images/{i}.png"]}) + "\n")
+    llava = [
+        {
+            "id": str(i),
+            "image": f"{i}.png",
+            "conversations": [{"from": "human", "value": f"<image>\n{p}"}, {"from": "gpt", "value": a}],
+        }
+        for i, (p, a) in enumerate(zip(prompts, answers, strict=True))
+    ]
+    (out / "llava").mkdir()
+    (out / "llava" / "data.json").write_text(json.dumps(llava, indent=1))
+    # as `datasets` writes images: a list of {bytes, path} structs (its Image feature)
+    saved = datasets.Dataset.from_dict({"messages": messages, "images": [[i] for i in images]})
+    saved.cast_column("images", datasets.Sequence(datasets.Image())).save_to_disk(str(out / "saved"))
+    return {
+        "raylora": {"uri": out / "raylora.parquet", "format": "raylora", "overrides": []},
+        "chat_parquet": {"uri": out / "chat.parquet", "format": "chat", "overrides": []},
+        "parquet_folder": {"uri": parts, "format": "chat", "overrides": []},
+        "chat_jsonl": {"uri": out / "chat.jsonl", "format": "chat", "overrides": ["data.format=chat"]},
+        "llava": {
+            "uri": out / "llava" / "data.json",
+            "format": "llava",
+            "overrides": [f"data.image_root={folder}"],
+        },
+        "save_to_disk": {"uri": out / "saved", "format": "chat", "overrides": []},
+    }
+
+
+@pytest.fixture(scope="module")
+def sources(digits, tmp_path_factory):
+    return write_sources(digits[0], tmp_path_factory.mktemp("formats"))
+
+
+def _image_root(source: dict) -> str | None:
+    return next((o.split("=", 1)[1] for o in source["overrides"] if o.startswith("data.image_root=")), None)
+
+
+def _pixels(entry) -> np.ndarray:
+    return np.asarray(load_image(entry))
+
+
+def test_every_format_reads_the_same_samples(sources):
+    reference = open_rows(str(sources["raylora"]["uri"]))
+    expected = [reference.sample(i) for i in range(ROWS)]
+    assert expected[0].messages == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which digit is this?"}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": expected[0].messages[1]["content"][0]["text"]}],
+        },
+    ]
+    for name, source in sources.items():
+        rows = open_rows(str(source["uri"]), image_root=_image_root(source))
+        assert (rows.format, len(rows)) == (source["format"], ROWS), name
+        assert check_source(str(source["uri"]), "data.train", image_root=_image_root(source)) == (
+            source["format"],
+            ROWS,
+        )
+        for i in [0, 1, 7, ROWS - 1, 33]:  # out of order, across row groups and files
+            got = rows.sample(i)
+            assert got.messages == expected[i].messages, (name, i)
+            assert len(got.images) == 1 and np.array_equal(
+                _pixels(got.images[0]), _pixels(expected[i].images[0])
+            )
+        copy = pickle.loads(pickle.dumps(rows))  # the input pipeline's processes get a copy
+        assert copy.sample(5) == rows.sample(5)
+
+
+def test_reads_row_groups_when_used_and_keeps_few(sources):
+    rows = open_rows(str(sources["parquet_folder"]["uri"]))
+    assert not rows.records.__dict__.get("_cache"), "opening read rows"
+    for i in range(ROWS):
+        rows.sample(i)
+    assert len(rows.records._cache) == formats.ROW_GROUP_CACHE
+    assert len(pickle.dumps(rows)) < 4096  # a copy carries the footers' offsets, not the rows
+
+
+def test_save_to_disk_is_memory_mapped(tmp_path):
+    import datasets
+
+    big = bytes(range(256)) * 4096  # 1 MiB a row
+    datasets.Dataset.from_dict(
+        {"image": [big] * 16, "prompt": ["p"] * 16, "answer": ["a"] * 16}
+    ).save_to_disk(str(tmp_path / "big"))
+    before = pa.total_allocated_bytes()
+    rows = open_rows(str(tmp_path / "big"))
+    assert len(rows) == 16 and rows.sample(3).images == [big]
+    assert pa.total_allocated_bytes() - before < 1 << 20, "the rows were copied into memory"
+    assert "datasets" in sys.modules  # imported by this test; the reader itself never imports it
+    source = Path(formats.__file__).read_text()
+    assert "import datasets" not in source and "from datasets" not in source
+
+
+def test_llava_placeholders_become_image_parts_in_place(tmp_path):
+    record = {
+        "image": ["a.png", "sub/b.png"],
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Compare <image> with\n<image>\nWhich is larger?"},
+            {"from": "gpt", "value": "The first."},
+            {"from": "human", "value": "Why?"},
+            {"from": "gpt", "value": "It has more ink."},
+        ],
+    }
+    (tmp_path / "d.jsonl").write_text("\n" + json.dumps(record) + "\n\n")
+    rows = open_rows(str(tmp_path / "d.jsonl"))
+    assert (rows.format, len(rows)) == ("llava", 1)
+    sample = rows.sample(0)
+    assert sample.messages[:2] == [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Compare "},  # only the placeholder's line break goes
+                {"type": "image"},
+                {"type": "text", "text": " with"},
+                {"type": "image"},
+                {"type": "text", "text": "Which is larger?"},
+            ],
+        },
+    ]
+    assert [t["role"] for t in sample.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert sample.images == [str(tmp_path / "a.png"), str(tmp_path / "sub" / "b.png")]
+    elsewhere = open_rows(str(tmp_path / "d.jsonl"), image_root="s3://bucket/pics")
+    assert elsewhere.sample(0).images == ["s3://bucket/pics/a.png", "s3://bucket/pics/sub/b.png"]
+
+
+def test_chat_forms_and_text_only_rows(tmp_path):
+    png = tmp_path / "x.png"
+    from PIL import Image
+
+    Image.new("RGB", (4, 4), (1, 2, 3)).save(png)
+    records = [
+        {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+        {  # the image in the part itself, HF style, and a JSON array file with non-ASCII text
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "image": "x.png"}, {"type": "text", "text": "Ça?"}],
+                },
+                {"role": "assistant", "content": [{"type": "text", "text": "Oui ✓"}]},
+            ]
+        },
+    ]
+    (tmp_path / "c.json").write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
+    rows = open_rows(str(tmp_path / "c.json"))
+    assert rows.sample(0) == Sample(
+        [
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "Hello"}]},
+        ],
+        [],
+    )
+    assert rows.sample(1).images == [str(png)] and rows.sample(1).messages[1]["content"][0]["text"] == "Oui ✓"
+    assert load_image(rows.sample(1).images[0]).getpixel((0, 0)) == (1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("messages", "images", "reason"),
+    [
+        ([{"role": "user", "content": "Hi"}], [], "no assistant turn"),
+        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  "}], [], "empty answer"),
+        (
+            [{"role": "user", "content": [{"type": "image"}]}, {"role": "assistant", "content": "a"}],
+            [],
+            "1 image",
+        ),
+        ([{"role": "bot", "content": "Hi"}], [], "unknown role 'bot'"),
+        ([{"role": "user", "content": [{"type": "video"}]}], [], "unknown content part"),
+        ("not a list", [], "messages is not"),
+    ],
+)
+def test_bad_rows_name_their_reason(tmp_path, messages, images, reason):
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": messages, "images": images}) + "\n")
+    with pytest.raises(BadRow, match=reason) as err:
+        open_rows(str(tmp_path / "c.jsonl")).sample(0)
+    assert reason in err.value.reason
+
+
+def test_broken_images_and_lines_are_bad_rows(tmp_path):
+    with pytest.raises(BadRow, match="does not decode"):
+        load_image(b"\x89PNG not really")
+    with pytest.raises(BadRow, match="not found"):
+        load_image(str(tmp_path / "missing.png"))
+    good = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
+    (tmp_path / "c.jsonl").write_text(good + "\n{broken json\n")
+    rows = open_rows(str(tmp_path / "c.jsonl"))
+    assert len(rows) == 2 and rows.sample(0).messages[1]["content"][0]["text"] == "b"
+    with pytest.raises(BadRow, match="not valid JSON"):
+        rows.sample(1)
+    pq.write_table(pa.table({"image": [b""], "prompt": ["p"], "answer": ["a"]}), tmp_path / "r.parquet")
+    with pytest.raises(BadRow, match="image missing or empty"):
+        open_rows(str(tmp_path / "r.parquet")).sample(0)
+
+
+def test_refusals_name_the_fields_found_and_the_formats_accepted(tmp_path, sources):
+    pq.write_table(pa.table({"img": [b"x"], "question": ["q"]}), tmp_path / "odd.parquet")
+    with pytest.raises(
+        ConfigError,
+        match=r"data.train: .*odd.parquet is in no known format; its fields: img, "
+        r"question. Formats accepted: raylora \(Parquet: image, prompt, answer\), chat",
+    ):
+        check_source(str(tmp_path / "odd.parquet"), "data.train")
+    (tmp_path / "odd.jsonl").write_text(json.dumps({"text": "a", "label": 1}) + "\n")
+    with pytest.raises(ConfigError, match=r"data.eval: .* its fields: text, label\. Formats accepted"):
+        check_source(str(tmp_path / "odd.jsonl"), "data.eval")
+    with pytest.raises(
+        ConfigError, match=r"not in the llava format \(data.format\), which needs conversations"
+    ):
+        check_source(str(sources["raylora"]["uri"]), "data.train", "llava")
+    with pytest.raises(ConfigError, match="data.format must be one of raylora, chat, llava"):
+        check_source(str(sources["raylora"]["uri"]), "data.train", "alpaca")
+    with pytest.raises(ConfigError, match="data.train: data file or folder not found"):
+        check_source(str(tmp_path / "none.parquet"), "data.train")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="neither Parquet files nor a datasets.save_to_disk state.json"):
+        check_source(str(tmp_path / "empty"), "data.train")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ConfigError, match="neither Parquet nor JSON"):
+        check_source(str(tmp_path / "notes.txt"), "data.train")
+    with pytest.raises(ConfigError, match="data.image_root: folder not found"):
+        check_source(str(sources["llava"]["uri"]), "data.train", image_root=str(tmp_path / "nowhere"))
+
+
+def test_dataset_dict_folder_is_refused_naming_its_splits(tmp_path):
+    import datasets
+
+    split = datasets.Dataset.from_dict({"prompt": ["p"], "answer": ["a"], "image": [b"x"]})
+    datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ConfigError, match=r"DatasetDict; point data.train at one split's folder .*dd/test"):
+        check_source(str(tmp_path / "dd"), "data.train")
+
+
+def test_cli_refuses_an_unknown_format_with_exit_2(tmp_path, tiny_models):
+    pq.write_table(pa.table({"pixels": [b"x"], "caption": ["c"]}), tmp_path / "odd.parquet")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{path: {tiny_models('llava')}}}\ndata: {{train: {tmp_path / 'odd.parquet'}}}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "raylora.cli", "train", str(cfg)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "its fields: pixels, caption" in proc.stderr and "Formats accepted: raylora" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(ConfigError, match="data.format must be raylora, chat or llava"):
+        config.load(None, ["model.path=m", "data.train=t.parquet", "data.format=csv"])
+
+
+# --- the distributed proof: each format, killed and resumed, equals one uninterrupted run ---
+
+STEPS = ("train.max_steps=4", "train.checkpoint_every=2", "train.warmup_steps=1")
+KILL_AT = 3  # rank 1 dies before step 4; the run resumes from the checkpoint of step 2
+
+
+def _final(result) -> checkpoint.Loaded:
+    with result.checkpoint.as_directory() as folder:
+        return checkpoint.load(folder)
+
+
+@pytest.fixture(scope="module")
+def reference(ray_cluster, tiny_models, sources, tmp_path_factory):
+    """One uninterrupted run on the raylora Parquet file, shared by every format's comparison."""
+    from raylora.driver import run
+    from tests.support import tiny_run_config
+
+    storage = tmp_path_factory.mktemp("format-runs")
+    cfg = tiny_run_config(tiny_models("llava"), sources["raylora"]["uri"], storage, "reference", *STEPS)
+    result = run(cfg)
+    assert result.error is None
+    return storage, _final(result)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+# chat JSONL is killed and resumed in tests/test_batches.py, with multi-turn, multi-image and text-only rows
+@pytest.mark.parametrize("name", ["chat_parquet", "llava", "save_to_disk"])
+def test_each_format_resumes_to_the_reference_weights(name, reference, sources, tiny_models):
+    from raylora.driver import run
+    from tests.support import tiny_run_config
+
+    storage, expected = reference
+    source = sources[name]
+    overrides = [*STEPS, *source["overrides"], f"fault.kill_at_steps={KILL_AT}"]
+    result = run(tiny_run_config(tiny_models("llava"), source["uri"], storage, f"killed-{name}", *overrides))
+    assert result.error is None
+    got = _final(result)
+    assert got.state.restarts == 1 and got.state.step == expected.state.step == 4
+    assert got.state.data_rows == ROWS
+    assert got.weights.keys() == expected.weights.keys()
+    for key, value in expected.weights.items():
+        assert torch.equal(value, got.weights[key]), f"{name}: {key} differs from the raylora Parquet run"

@@ -1,0 +1,50 @@
+"""The background input pipeline: the same items in the same order as inline, errors surface."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from raylora.config import ConfigError
+from raylora.pipeline import step_inputs
+
+
+def build(step: int) -> dict:
+    return {"step": step, "x": torch.full((2, 3), float(step)), "pid": os.getpid()}
+
+
+def test_background_equals_inline_in_step_order():
+    inline = list(step_inputs(build, range(5, 12), workers=0))
+    background = list(step_inputs(build, range(5, 12), workers=2))
+    assert [b["step"] for b in background] == list(range(5, 12))
+    for a, b in zip(inline, background, strict=True):
+        assert torch.equal(a["x"], b["x"])
+    assert {b["pid"] for b in background}.isdisjoint({os.getpid()})  # built in other processes
+
+
+def failing(step: int) -> dict:
+    if step == 3:
+        raise ConfigError("data.train: row 17: image does not decode")
+    return build(step)
+
+
+def test_error_in_a_worker_keeps_its_type_and_message():
+    got = []
+    with pytest.raises(ConfigError, match="row 17: image does not decode"):
+        for item in step_inputs(failing, range(6), workers=2):
+            got.append(item["step"])
+    assert got == [0, 1, 2]
+
+
+def dying(step: int) -> dict:
+    if step == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return build(step)
+
+
+def test_a_worker_that_dies_raises_instead_of_hanging():
+    with pytest.raises(RuntimeError, match="DataLoader worker"):
+        list(step_inputs(dying, range(6), workers=1))

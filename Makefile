@@ -39,6 +39,7 @@ bench: install
 	$(PY) bench/scale.py
 	$(PY) bench/on_paper.py
 	$(PY) bench/memory.py
+	$(PY) bench/pipeline.py
 	$(PY) bench/data_scale.py
 
 lint: install

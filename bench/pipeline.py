@@ -100,6 +100,11 @@ def main() -> None:
             },
             "figures": {f"{k}_seconds_per_step": common.summary(v) for k, v in samples.items()},
             "ratios": {"inline_over_background_step_time": ratio},
+            "goal": {
+                "text": "steps take less time with the input pipeline in the background than inline",
+                "value": ratio,
+                "met": ratio > 1.0,
+            },
             "notes": [
                 "Seconds per step from each step's wall_time (when it ended on the worker), every step "
                 "reported (run.report_every_s=0); the first steps (engine warm-up, the pipeline's start) "

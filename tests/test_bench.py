@@ -27,6 +27,7 @@ RAY_SCRIPTS = [
     "scale",
     "memory",
     "data_scale",
+    "pipeline",
 ]
 
 

@@ -168,7 +168,7 @@ def test_export_and_eval_refuse_bad_input(trained, digits, tmp_path, capsys):
     assert [p.name for p in tmp_path.iterdir() if ".partial" in p.name] == []
 
     assert cli.main(["eval", str(ckpt), "--data", str(tmp_path / "none.parquet")]) == 2
-    assert "--data: Parquet file not found" in capsys.readouterr().err
+    assert "--data: data file or folder not found" in capsys.readouterr().err
 
 
 def test_eval_prints_accuracy_and_loss(trained, digits, capsys):

@@ -27,7 +27,7 @@ from tests.support import assert_weights_close, start_ray, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-STEPS = 10
+STEPS = 30  # long enough that the node is lost with most steps still to go
 
 
 def _free_port() -> int:
@@ -150,6 +150,7 @@ def test_shared_storage_trains_on_both_nodes_and_survives_losing_one(
     _, node_id, kill = cluster
     overrides = (
         f"train.max_steps={STEPS}",
+        "run.report_every_s=0",  # a row per step: the node is killed at step 2, not at the next report
         "lora.dropout=0.0",
         "scaling.num_workers=[1,2]",
         "run.max_failures=3",

@@ -185,3 +185,11 @@ def tensorboard_scalars(logdir: str | Path) -> dict[str, dict[int, float]]:
             for value in event.summary.value:
                 scalars.setdefault(value.tag, {})[event.step] = value.simple_value
     return scalars
+
+
+def final_checkpoint(result):
+    """The final checkpoint of a finished run (a `ray.train.Result`), read with raylora.checkpoint."""
+    from raylora import checkpoint
+
+    with result.checkpoint.as_directory() as folder:
+        return checkpoint.load(folder)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from raylora import checkpoint
+from tests.support import final_checkpoint as _final
 from tests.support import on_workers, read_params, straight_and_killed, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -27,11 +28,6 @@ def runs(request, ray_cluster, tiny_models, digits, tmp_path_factory):
     model_dir = tiny_models(arch)
     straight, killed = straight_and_killed(model_dir, digits[0], storage, KILL_AT, BF16)
     return {"model_dir": model_dir, "straight": straight, "killed": killed, "digits": digits[0]}
-
-
-def _final(result) -> checkpoint.Loaded:
-    with result.checkpoint.as_directory() as folder:
-        return checkpoint.load(folder)
 
 
 def test_bf16_resume_equals_uninterrupted_bitwise(runs):

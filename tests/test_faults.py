@@ -21,15 +21,11 @@ from raylora.driver import run
 from raylora.failures import PermanentError
 from raylora.progress import read_metrics
 from tests.support import assert_weights_close, tiny_run_config
+from tests.support import final_checkpoint as _final
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 10
-
-
-def _final(result) -> checkpoint.Loaded:
-    with result.checkpoint.as_directory() as folder:
-        return checkpoint.load(folder)
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:

@@ -18,10 +18,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raylora import checkpoint, config, formats
+from raylora import config, formats
 from raylora.config import ConfigError
 from raylora.formats import BadRow, check_source, load_image, open_rows
 from raylora.sample import Sample
+from tests.support import final_checkpoint as _final
 
 ROWS = 64  # enough for 4 steps of 8 samples without repeating an epoch
 
@@ -306,11 +307,6 @@ def test_cli_refuses_an_unknown_format_with_exit_2(tmp_path, tiny_models):
 
 STEPS = ("train.max_steps=4", "train.checkpoint_every=2", "train.warmup_steps=1")
 KILL_AT = 3  # rank 1 dies before step 4; the run resumes from the checkpoint of step 2
-
-
-def _final(result) -> checkpoint.Loaded:
-    with result.checkpoint.as_directory() as folder:
-        return checkpoint.load(folder)
 
 
 @pytest.fixture(scope="module")

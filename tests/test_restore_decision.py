@@ -20,14 +20,10 @@ from raylora import checkpoint, driver, resume
 from raylora.driver import run
 from raylora.failures import PermanentError
 from raylora.progress import ATTEMPTS_FILE, read_metrics
+from tests.support import final_checkpoint as _final
 from tests.support import tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-def _final(result) -> checkpoint.Loaded:
-    with result.checkpoint.as_directory() as folder:
-        return checkpoint.load(folder)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from raylora import checkpoint
+from tests.support import final_checkpoint as _final
 from tests.support import on_workers, read_params, straight_and_killed, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -29,11 +30,6 @@ def runs(request, ray_cluster, tiny_models, digits, tmp_path_factory):
     model_dir = tiny_models(arch)
     straight, killed = straight_and_killed(model_dir, digits[0], storage, KILL_AT, VISION_LR)
     return {"arch": arch, "model_dir": model_dir, "straight": straight, "killed": killed, "storage": storage}
-
-
-def _final(result) -> checkpoint.Loaded:
-    with result.checkpoint.as_directory() as folder:
-        return checkpoint.load(folder)
 
 
 def test_resumed_run_equals_uninterrupted_bitwise(runs):

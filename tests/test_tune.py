@@ -46,7 +46,9 @@ def test_failed_trial_is_retried_and_resumes_its_own_run(ray_cluster, tiny_model
 
     space = tmp_path / "space.yaml"
     space.write_text("train.lr: {grid: [1.0e-3, 2.0e-3]}\n")
-    # run.max_failures=0: the killed worker fails the Train run, so the trial fails and Tune retries it
+    # run.max_failures=0: the killed worker fails the Train run, so the trial fails and Tune retries it.
+    # Uploads are synchronous here so that step 2's checkpoint is recorded before the kill at step 3 (with
+    # the asynchronous default a kill during the upload rightly resumes from nothing).
     overrides = _base(
         tiny_models,
         digits,
@@ -56,6 +58,7 @@ def test_failed_trial_is_retried_and_resumes_its_own_run(ray_cluster, tiny_model
         "run.max_failures=0",
         "fault.kill_at_steps=3",
         "fault.kill_rank=0",
+        "run.checkpoint_upload=sync",
     )
     results = run_tune(None, overrides, str(space), num_samples=1, max_concurrent=2)
     assert len(results) == 2 and not any(r.error for r in results)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import posixpath
@@ -35,7 +34,7 @@ from raylora import checkpoint, hub
 from raylora.config import Config, ConfigError
 from raylora.drills import maybe_read_error
 from raylora.formats import check_source
-from raylora.storage import run_folder
+from raylora.storage import recorded_checkpoints, run_folder
 
 log = logging.getLogger("raylora")
 
@@ -275,28 +274,6 @@ def _in_use(folder: Path) -> bool:
         return True
     finally:
         os.close(fd)  # closing drops the probe's lock
-
-
-# Ray Train's record of the checkpoints a run reported; a run with the same name resumes from it.
-RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
-
-
-def recorded_checkpoints(fs: pyarrow.fs.FileSystem, run_dir: str) -> set[str] | None:
-    """Folder names of the checkpoints Ray's snapshot lists; None when it exists but does not read."""
-    path = posixpath.join(run_dir, RAY_SNAPSHOT)
-    if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
-        return set()
-    try:
-        with fs.open_input_stream(path) as f:
-            snapshot = json.loads(f.read())
-        results = [
-            *snapshot.get("checkpoint_results", []),
-            *snapshot.get("pending_training_results", []),
-            snapshot.get("latest_checkpoint_result") or {},
-        ]
-        return {r["checkpoint_dir_name"] for r in results if r}
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
-        return None
 
 
 def remove_partial_uploads(fs: pyarrow.fs.FileSystem, run_dir: str) -> list[str]:

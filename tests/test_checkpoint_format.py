@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raylora import checkpoint, config, resume
+from raylora import checkpoint, config, resume, storage
 from raylora.config import ConfigError
 from raylora.failures import PERMANENT, EndOnPermanentError, PermanentError
 
@@ -169,9 +169,9 @@ def test_partial_uploads_are_removed_recorded_ones_kept(tmp_path):
         "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_a", "metrics": {}},
         "pending_training_results": [],
     }
-    (run_dir / resume.RAY_SNAPSHOT).write_text("{ torn")
+    (run_dir / storage.RAY_SNAPSHOT).write_text("{ torn")
     assert resume.remove_partial_uploads(fs, str(run_dir)) == []  # unreadable record: remove nothing
-    (run_dir / resume.RAY_SNAPSHOT).write_text(json.dumps(snapshot))
+    (run_dir / storage.RAY_SNAPSHOT).write_text(json.dumps(snapshot))
     assert resume.remove_partial_uploads(fs, str(run_dir)) == [str(partial)]
     assert recorded_torn.is_dir() and complete.is_dir() and not partial.exists()
 

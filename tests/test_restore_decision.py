@@ -20,6 +20,7 @@ from raylora import checkpoint, driver, resume
 from raylora.driver import run
 from raylora.failures import PermanentError
 from raylora.progress import ATTEMPTS_FILE, read_metrics
+from raylora.storage import recorded_checkpoints
 from tests.support import final_checkpoint as _final
 from tests.support import tiny_run_config
 
@@ -70,7 +71,7 @@ def test_transient_read_error_on_one_rank_still_restores_the_newest(straight, ti
     assert not partial.exists() and not staged.exists()
     # the checkpoints Ray recorded, as raylora reads Ray's snapshot, are the ones in the run folder
     kept = {p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()}
-    assert resume.recorded_checkpoints(pyarrow.fs.LocalFileSystem(), str(run_dir)) == kept and len(kept) == 3
+    assert recorded_checkpoints(pyarrow.fs.LocalFileSystem(), str(run_dir)) == kept and len(kept) == 3
 
 
 def test_start_error_every_attempt_would_repeat_ends_the_run_once(

@@ -124,7 +124,7 @@ def test_async_upload_killed_right_after_a_checkpoint_resumes_exactly(runs, digi
     equal to the uninterrupted run, bit for bit."""
     import pyarrow.fs
 
-    from raylora import resume
+    from raylora import storage
     from raylora.driver import run
 
     if runs["arch"] != "llava":
@@ -151,7 +151,7 @@ def test_async_upload_killed_right_after_a_checkpoint_resumes_exactly(runs, digi
     resumed_from = result.return_value[0]["step"] - 1
     assert resumed_from in (0, 2), resumed_from
     run_dir = Path(runs["storage"]) / name
-    recorded = resume.recorded_checkpoints(pyarrow.fs.LocalFileSystem(), str(run_dir))
+    recorded = storage.recorded_checkpoints(pyarrow.fs.LocalFileSystem(), str(run_dir))
     assert recorded, "Ray recorded no checkpoint"
     for folder in recorded:  # every checkpoint Ray may hand out is complete
         checkpoint.verify(run_dir / folder)

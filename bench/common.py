@@ -141,11 +141,15 @@ NO_CHECKPOINTS = "train.checkpoint_every=1000"
 @contextmanager
 def local_ray():
     """raylora's own Ray (`init_ray`: the cluster in RAY_ADDRESS, or a new local one of 4 logical CPUs
-    with the runtime env raylora's driver sets), shut down at the end."""
+    with the runtime env raylora's driver sets), shut down at the end; the Ray this process is already
+    connected to (bench/smoke.py's, shared by every script) is used and left running."""
     import ray
 
     from raylora.driver import init_ray
 
+    if ray.is_initialized():
+        yield ray
+        return
     init_ray(num_cpus=4)
     try:
         yield ray

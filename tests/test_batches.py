@@ -1,5 +1,6 @@
 """Batches from conversations: labels on exactly the assistant turns, several images per sample, text-only
-samples beside image ones, bad rows; and on 2 ZeRO-3 workers, a step where one rank has text rows only."""
+samples beside image ones, bad rows; and on 2 ZeRO-3 workers, a step where one rank has text rows only,
+with bad rows and too-long rows replaced, gradient checkpointing on, killed and resumed bit for bit."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from raylora.data import (
     IGNORE_INDEX,
     GlobalSampler,
     check_chat_template,
+    encode,
     end_of_turn_ids,
     limit_length,
     make_batch,
+    read,
 )
 from raylora.formats import open_rows
 from raylora.processor import load_processor
@@ -220,8 +223,9 @@ GLOBAL_BATCH = 8  # tiny_run_config's: 2 workers x 2 micro batches of 2
 
 @pytest.fixture(scope="module")
 def mixed_runs(ray_cluster, tiny_models, tmp_path_factory):
-    """An uninterrupted and a killed-and-resumed run of 3 steps (vision tower trained) on chat JSONL whose
-    step 0 gives rank 1 text rows only, with a corrupt image in step 1."""
+    """An uninterrupted and a killed-and-resumed run of 3 steps (vision tower trained, gradient
+    checkpointing on) on chat JSONL whose step 0 gives rank 1 text rows only, with a corrupt image in
+    step 1, and `data.max_length` one token short of the longest kind of row."""
     folder = tmp_path_factory.mktemp("mixed")
     model_dir = tiny_models("qwen2_vl")
     seed = tiny_run_config(model_dir, "unused", folder, "seed").train.seed
@@ -229,10 +233,20 @@ def mixed_runs(ray_cluster, tiny_models, tmp_path_factory):
     text_only = [i for micro in sampler.micro_batches(0, 1, 2, 2) for i in micro]
     corrupt = sampler.micro_batches(1, 0, 2, 2)[0][0]
     data = _write_chat_jsonl(folder, {**dict.fromkeys(text_only, "text"), corrupt: "corrupt"}, ROWS)
+    # each good row's length as the batches count it; the longest kind of row is too long
+    processor, rows = load_processor(model_dir), open_rows(data)
+    lengths = {i: len(encode(processor, read(rows, i)).labels) for i in range(ROWS) if i != corrupt}
+    max_length = sorted(set(lengths.values()))[-2]
+    too_long = {i for i, n in lengths.items() if n > max_length}
+    overrides = (
+        f"train.max_steps={STEPS}",
+        "train.gradient_checkpointing=true",
+        f"data.max_length={max_length}",
+    )
     outcome = {}
 
     def both():
-        outcome["runs"] = straight_and_killed(model_dir, data, folder, 2, f"train.max_steps={STEPS}")
+        outcome["runs"] = straight_and_killed(model_dir, data, folder, 2, *overrides)
 
     # A rank that skipped the vision tower would leave the other waiting in ZeRO-3's collectives: a hang
     # must fail the test, not block it.
@@ -244,7 +258,14 @@ def mixed_runs(ray_cluster, tiny_models, tmp_path_factory):
         pytest.fail("the runs did not finish in 1800 s: ranks waiting for each other in a collective?")
     straight, killed = outcome["runs"]
     expected_bad = [sum(i == corrupt for i in sampler.global_batch(step)) for step in range(STEPS)]
-    return {"straight": straight, "killed": killed, "storage": folder, "expected_bad": expected_bad}
+    expected_too_long = [sum(i in too_long for i in sampler.global_batch(step)) for step in range(STEPS)]
+    return {
+        "straight": straight,
+        "killed": killed,
+        "storage": folder,
+        "expected_bad": expected_bad,
+        "expected_too_long": expected_too_long,
+    }
 
 
 def _load(result) -> checkpoint.Loaded:
@@ -262,8 +283,10 @@ def test_mixed_data_trains_counts_bad_rows_and_resumes_equal(mixed_runs):
     for name in ("straight", "killed"):
         rows = {r["step"]: r for r in read_metrics(str(mixed_runs["storage"]), name)}
         assert [rows[s + 1]["bad_rows"] for s in range(STEPS)] == mixed_runs["expected_bad"], name
+        assert [rows[s + 1]["too_long"] for s in range(STEPS)] == mixed_runs["expected_too_long"], name
         assert all(0 < rows[s + 1]["loss"] < 20 for s in range(STEPS)), name
     assert mixed_runs["expected_bad"][1] == 1
+    assert any(mixed_runs["expected_too_long"]) and max(mixed_runs["expected_too_long"]) < GLOBAL_BATCH
     assert any(".visual." in n for n in straight.weights), "the vision tower was not trained"
     for key, value in straight.weights.items():
         assert torch.equal(killed.weights[key], value), key

@@ -31,26 +31,25 @@ RAY_SCRIPTS = [
 ]
 
 
-def _run(script: str, tmp_path: Path) -> dict:
-    out, work = tmp_path / "results", tmp_path / "work"
-    env = {**os.environ, **RAY_TEST_ENV}
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """bench/smoke.py: every script at its --tiny size in one process on one Ray (shared assets)."""
+    out, work = tmp_path_factory.mktemp("bench-results"), tmp_path_factory.mktemp("bench-work")
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / f"{script}.py"),
-            "--tiny",
-            "--out",
-            str(out),
-            "--work",
-            str(work),
-        ],
+        [sys.executable, str(ROOT / "bench" / "smoke.py"), "--out", str(out), "--work", str(work)],
         cwd=ROOT,
-        env=env,
+        env={**os.environ, **RAY_TEST_ENV},
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=1800,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, json.loads((out / "smoke.json").read_text())
+
+
+def _result(smoke, script: str) -> dict:
+    out, status = smoke
+    assert status[script]["ok"], status[script].get("error")
     result = json.loads((out / f"{script}.json").read_text())
     assert result["machine"]["cpu_count"] == os.cpu_count()
     assert f"bench/{script}.py" in result["command"] and "--tiny" in result["command"]
@@ -72,8 +71,8 @@ def _figures(node):
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("script", RAY_SCRIPTS)
-def test_bench_script_runs_tiny(script, tmp_path):
-    result = _run(script, tmp_path)
+def test_bench_script_runs_tiny(script, smoke):
+    result = _result(smoke, script)
     assert "goal" in result
     figures = list(_figures(result))
     assert figures, "a benchmark writes figures"
@@ -83,7 +82,7 @@ def test_bench_script_runs_tiny(script, tmp_path):
     if script in ("restore_collectives", "save_collectives"):  # collective counts, not times
         assert result["goal"]["met"], json.dumps(result["goal"])
     if script == "scale":
-        assert (tmp_path / "results" / "scale.png").stat().st_size > 0
+        assert (smoke[0] / "scale.png").stat().st_size > 0
     if script == "memory":  # max_length skips the long samples; the peaks are figures, not checked here
         assert result["configurations"]["all on"]["too_long_samples"] > 0
         assert result["configurations"]["all off"]["too_long_samples"] == 0
@@ -93,8 +92,8 @@ def test_bench_script_runs_tiny(script, tmp_path):
 
 
 @pytest.mark.slow
-def test_on_paper_runs_tiny(tmp_path):
-    result = _run("on_paper", tmp_path)
+def test_on_paper_runs_tiny(smoke):
+    result = _result(smoke, "on_paper")
     frozen, trained = result["models"]
     assert frozen["lora_params"] == 39_976_960  # llava-1.5-7b, r=16 on q,k,v,o,gate,up,down of 32 layers
     assert trained["trainable_params"] > frozen["trainable_params"]

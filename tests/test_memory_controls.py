@@ -1,13 +1,11 @@
 """Memory controls: answer-only logits, gradient checkpointing, pixel caps, max_length.
 
-Single-process tests on every tiny architecture where no Ray is needed; one distributed run pair (2 workers,
-ZeRO-3, checkpointing on, some samples too long, a worker killed and resumed) against a straight run.
+Single-process tests on every tiny architecture. On 2 ZeRO-3 workers, gradient checkpointing and too-long
+samples are killed and resumed against a straight run in tests/test_batches.py (its mixed-data runs).
 """
 
 from __future__ import annotations
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +13,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from raylora import checkpoint, config
+from raylora import config
 from raylora.arch import detect
 from raylora.assets import PROMPT, TINY_ARCHS
 from raylora.config import ConfigError
@@ -210,55 +208,3 @@ def test_too_long_samples_are_replaced_by_a_blank_row(tiny_models, digits):
     check_max_length(processor, lengths[1])
     with pytest.raises(ConfigError, match=r"data.max_length \(5\).*takes \d+ tokens, 4 of them image tokens"):
         check_max_length(processor, 5)
-
-
-# ------------------------------------------------------------------------------------------ distributed
-
-
-def _mixed_lengths(digits, folder) -> tuple[str, set[int]]:
-    """The digits' training rows with every third prompt four times as long; (file, long rows)."""
-    table = pq.read_table(digits[0])
-    prompts = table.column("prompt").to_pylist()
-    long_rows = set(range(0, len(prompts), 3))
-    prompts = [LONG_PROMPT if i in long_rows else p for i, p in enumerate(prompts)]
-    path = f"{folder}/mixed.parquet"
-    pq.write_table(
-        table.set_column(table.schema.get_field_index("prompt"), "prompt", pa.array(prompts)), path
-    )
-    return path, long_rows
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_too_long_skipped_with_checkpointing_and_resume_equals_straight_run(
-    ray_cluster, tiny_models, digits, tmp_path
-):
-    from raylora.data import GlobalSampler
-    from raylora.driver import run
-    from raylora.progress import read_metrics
-
-    folder = tiny_models("qwen2_vl")
-    train, long_rows = _mixed_lengths(digits, tmp_path)
-    processor = load_processor(folder)
-    data = open_rows(train)
-    short = make_batch(processor, [read(data, 1)])["attention_mask"].sum().item()
-    steps = 3
-    base = [f"train.max_steps={steps}", "train.gradient_checkpointing=true", f"data.max_length={short}"]
-    results = {}
-    for name, extra in (("straight", []), ("drill", ["fault.kill_at_steps=2", "fault.kill_rank=1"])):
-        result = run(tiny_run_config(folder, train, tmp_path, name, *base, *extra))
-        assert result.error is None
-        with result.checkpoint.as_directory() as ckpt:
-            results[name] = checkpoint.load(ckpt)
-    sampler = GlobalSampler(len(data), 8, 0)
-    expected = [sum(i in long_rows for i in sampler.global_batch(step)) for step in range(steps)]
-    assert all(expected) and any(n < 8 for n in expected), expected
-    for name in results:
-        rows = {r["step"]: r for r in read_metrics(str(tmp_path), name)}
-        assert [rows[s + 1]["too_long"] for s in range(steps)] == expected, name
-    straight, drill = results["straight"], results["drill"]
-    assert drill.state.restarts == 1 and drill.state.step == straight.state.step == steps
-    for name, value in straight.weights.items():
-        assert torch.equal(drill.weights[name], value), name
-    for name, value in straight.moments.items():
-        assert torch.equal(drill.moments[name], value), name

@@ -1,0 +1,76 @@
+"""Every benchmark at its --tiny size, one after the other in one process on one Ray: the smoke run
+behind tests/test_bench.py (a check that each script works end to end, not a timing).
+
+One process and one Ray for all scripts, and one scratch folder, so the tiny models and the digits are
+built once: starting Python, importing torch and starting Ray per script cost more than most tiny runs.
+
+    python bench/smoke.py --out DIR --work DIR [SCRIPT ...]
+
+Each script writes DIR/SCRIPT.json as `python bench/SCRIPT.py --tiny --out DIR --work DIR` would;
+DIR/smoke.json says for each script whether it finished, its traceback if not, and its seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import common  # noqa: F401 (puts the repository root on sys.path)
+
+SCRIPTS = [
+    "on_paper",
+    "checkpoint_size",
+    "restore_collectives",
+    "save_collectives",
+    "throughput",
+    "recovery",
+    "scale",
+    "memory",
+    "data_scale",
+    "pipeline",
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("scripts", nargs="*", default=SCRIPTS, help=f"default: {' '.join(SCRIPTS)}")
+    p.add_argument("--out", required=True, help="folder for each script's JSON and smoke.json")
+    p.add_argument("--work", required=True, help="scratch folder shared by the scripts")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    import ray
+
+    from raylora.driver import init_ray
+
+    init_ray(num_cpus=4)  # common.local_ray uses this one and leaves it running
+    status = {}
+    try:
+        for name in args.scripts:
+            started = time.perf_counter()
+            argv = sys.argv
+            # as if run on its own: write_result records sys.argv as the command
+            sys.argv = [f"bench/{name}.py", "--tiny", "--out", str(out), "--work", args.work]
+            try:
+                importlib.import_module(name).main()
+                status[name] = {"ok": True}
+            except Exception:  # the next scripts still run; the test names this one's traceback
+                status[name] = {"ok": False, "error": traceback.format_exc()}
+            finally:
+                sys.argv = argv
+            status[name]["seconds"] = time.perf_counter() - started
+            outcome = "ok" if status[name]["ok"] else "FAILED"
+            print(f"smoke: {name} {outcome} in {status[name]['seconds']:.0f} s", flush=True)
+            (out / "smoke.json").write_text(json.dumps(status, indent=1))
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

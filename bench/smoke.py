@@ -4,7 +4,7 @@ behind tests/test_bench.py (a check that each script works end to end, not a tim
 One process and one Ray for all scripts, and one scratch folder, so the tiny models and the digits are
 built once: starting Python, importing torch and starting Ray per script cost more than most tiny runs.
 
-    python bench/smoke.py --out DIR --work DIR [SCRIPT ...]
+    python bench/smoke.py --out DIR --work DIR SCRIPT [SCRIPT ...]     # e.g. throughput recovery
 
 Each script writes DIR/SCRIPT.json as `python bench/SCRIPT.py --tiny --out DIR --work DIR` would;
 DIR/smoke.json says for each script whether it finished, its traceback if not, and its seconds.
@@ -22,23 +22,10 @@ from pathlib import Path
 
 import common  # noqa: F401 (puts the repository root on sys.path)
 
-SCRIPTS = [
-    "on_paper",
-    "checkpoint_size",
-    "restore_collectives",
-    "save_collectives",
-    "throughput",
-    "recovery",
-    "scale",
-    "memory",
-    "data_scale",
-    "pipeline",
-]
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("scripts", nargs="*", default=SCRIPTS, help=f"default: {' '.join(SCRIPTS)}")
+    p.add_argument("scripts", nargs="+", help="names of bench/ scripts, without .py")
     p.add_argument("--out", required=True, help="folder for each script's JSON and smoke.json")
     p.add_argument("--work", required=True, help="scratch folder shared by the scripts")
     args = p.parse_args()

@@ -36,7 +36,8 @@ def smoke(tmp_path_factory):
     """bench/smoke.py: every script at its --tiny size in one process on one Ray (shared assets)."""
     out, work = tmp_path_factory.mktemp("bench-results"), tmp_path_factory.mktemp("bench-work")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "smoke.py"), "--out", str(out), "--work", str(work)],
+        [sys.executable, str(ROOT / "bench" / "smoke.py"), "--out", str(out), "--work", str(work)]
+        + ["on_paper", *RAY_SCRIPTS],
         cwd=ROOT,
         env={**os.environ, **RAY_TEST_ENV},
         capture_output=True,

@@ -246,16 +246,22 @@ def mixed_runs(ray_cluster, tiny_models, tmp_path_factory):
     outcome = {}
 
     def both():
-        outcome["runs"] = straight_and_killed(model_dir, data, folder, 2, *overrides)
+        try:
+            outcome["runs"] = straight_and_killed(model_dir, data, folder, 2, *overrides)
+        except BaseException as err:  # raised again below, in the test's own thread
+            outcome["error"] = err
 
     # A rank that skipped the vision tower would leave the other waiting in ZeRO-3's collectives: a hang
-    # must fail the test, not block it.
+    # (NCCL) must fail the test, not block it. With gloo the mismatched collective aborts the rank instead
+    # (seen with the stand-in image row removed: every attempt failed, and so did the run).
     thread = threading.Thread(target=both, daemon=True)
     thread.start()
     thread.join(timeout=1800)
     if thread.is_alive():
         ray_cluster.shutdown()
         pytest.fail("the runs did not finish in 1800 s: ranks waiting for each other in a collective?")
+    if "error" in outcome:
+        raise outcome["error"]
     straight, killed = outcome["runs"]
     expected_bad = [sum(i == corrupt for i in sampler.global_batch(step)) for step in range(STEPS)]
     expected_too_long = [sum(i in too_long for i in sampler.global_batch(step)) for step in range(STEPS)]

@@ -47,7 +47,8 @@ def step_inputs(build: Callable[[int], T], steps: range, workers: int, ahead: in
     """`build(step)` for each step of `steps`, in order: inline with `workers=0`, else prepared by
     `workers` processes, up to `ahead` steps per worker in advance."""
     if workers == 0:
-        return (build(step) for step in steps)
+        yield from (build(step) for step in steps)
+        return
     loader = torch.utils.data.DataLoader(
         _Steps(build, steps),
         batch_size=None,
@@ -58,4 +59,31 @@ def step_inputs(build: Callable[[int], T], steps: range, workers: int, ahead: in
         multiprocessing_context=multiprocessing.get_context("fork"),
         timeout=WORKER_TIMEOUT_S,
     )
-    return iter(loader)
+    batches = iter(loader)
+    try:
+        yield from batches
+    except (EOFError, ConnectionError) as err:
+        # A worker that dies while the training process receives a batch from it (tensors travel as
+        # file descriptors over a connection to the worker) ends the transfer with one of these instead
+        # of torch's own "exited unexpectedly" error; say which process died, as torch does otherwise.
+        dead = _dead_workers(batches)
+        if not dead:
+            raise
+        raise RuntimeError(f"input pipeline: DataLoader worker {dead} exited unexpectedly") from err
+    finally:
+        # The worker processes are stopped here, when an error leaves the loader, and not by the
+        # iterator's __del__: the error's traceback holds the iterator in a reference cycle, so __del__
+        # would run at some later garbage collection, wherever that happens to start, and torch's
+        # shutdown from there was seen to block forever on one of its queue locks (a test hung).
+        # torch has no public close for a loader's iterator; a second call does nothing.
+        batches._shutdown_workers()
+
+
+def _dead_workers(batches) -> str:
+    """'(pid N, exit code C), ...' for each of the loader's worker processes that has ended."""
+    dead = []
+    for w in batches._workers:  # torch's list of the iterator's processes (no public accessor)
+        w.join(timeout=1.0)  # the connection closes a moment before the process can be reaped
+        if w.exitcode is not None:
+            dead.append(f"(pid {w.pid}, exit code {w.exitcode})")
+    return ", ".join(dead)

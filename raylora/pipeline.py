@@ -47,8 +47,7 @@ def step_inputs(build: Callable[[int], T], steps: range, workers: int, ahead: in
     """`build(step)` for each step of `steps`, in order: inline with `workers=0`, else prepared by
     `workers` processes, up to `ahead` steps per worker in advance."""
     if workers == 0:
-        yield from (build(step) for step in steps)
-        return
+        return (build(step) for step in steps)
     loader = torch.utils.data.DataLoader(
         _Steps(build, steps),
         batch_size=None,
@@ -59,7 +58,13 @@ def step_inputs(build: Callable[[int], T], steps: range, workers: int, ahead: in
         multiprocessing_context=multiprocessing.get_context("fork"),
         timeout=WORKER_TIMEOUT_S,
     )
-    batches = iter(loader)
+    # Started here, not at the first step: starting draws the workers' base seed from torch's global
+    # generator, which each training step seeds for its dropout noise just before it takes its batches
+    # (drawn there, the first step after a resume would differ from the uninterrupted run's).
+    return _closing(iter(loader))
+
+
+def _closing(batches) -> Iterator:
     try:
         yield from batches
     except (EOFError, ConnectionError) as err:

@@ -2,7 +2,8 @@
 
 The fast tests load each tiny model folder as a worker does and check that the registry describes it;
 the distributed test trains each newer architecture for 2 steps on 2 Ray workers under ZeRO-3 and
-restores the checkpoint on 2 workers (Llava and Qwen2-VL go through the longer tests/test_resume.py).
+restores the checkpoints on one group of 2 workers (Llava and Qwen2-VL go through the longer
+tests/test_resume.py).
 """
 
 from __future__ import annotations
@@ -89,23 +90,37 @@ def test_batch_feeds_forward_and_every_part_learns(arch, tiny_models):
     assert out.shape[0] == len(examples) and out.shape[1] > prompts["input_ids"].shape[1]
 
 
+@pytest.fixture(scope="module")
+def round_trips(ray_cluster, tiny_models, digits, tmp_path_factory):
+    """Each newer architecture trained 2 steps on 2 workers, then every step-2 checkpoint restored on one
+    group of 2 workers (one after the other: a worker group's start is most of a tiny run's time)."""
+    storage = tmp_path_factory.mktemp("round-trips")
+    overrides = ["train.max_steps=2", "train.checkpoint_every=2"]
+    results, probes = {}, []
+    for arch in NEWER_ARCHS:
+        results[arch] = run(
+            tiny_run_config(tiny_models(arch), digits[0], storage, f"two-steps-{arch}", *overrides)
+        )
+        assert results[arch].error is None, arch
+        cfg = tiny_run_config(tiny_models(arch), digits[0], storage, f"probe-{arch}", *overrides)
+        probes.append((arch, cfg, results[arch].checkpoint.path))  # local storage: the folder itself
+    restored = on_workers(
+        lambda: {arch: _restore_probe(cfg, folder) for arch, cfg, folder in probes}, storage, "probes"
+    )
+    return {arch: (results[arch], restored[arch]) for arch in NEWER_ARCHS}
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", NEWER_ARCHS)
-def test_zero3_two_steps_then_restore_equals_checkpoint(arch, ray_cluster, tiny_models, digits, tmp_path):
-    model_dir = tiny_models(arch)
-    overrides = ["train.max_steps=2", "train.checkpoint_every=2"]
-    result = run(tiny_run_config(model_dir, digits[0], tmp_path, f"two-steps-{arch}", *overrides))
-    assert result.error is None
+def test_zero3_two_steps_then_restore_equals_checkpoint(arch, round_trips):
+    result, probe = round_trips[arch]
     assert math.isfinite(result.metrics["loss"])
-    with result.checkpoint.as_directory() as folder:
-        loaded = checkpoint.load(folder)
-        assert loaded.state.step == 2
-        entry = REGISTRY[arch]
-        trained = {entry.part_of(n) for n in loaded.state.trainable}
-        assert trained == set(PARTS), f"trained parts {trained}: LoRA, vision tower and aligner expected"
-        cfg = tiny_run_config(model_dir, digits[0], tmp_path, f"probe-{arch}", *overrides)
-        probe = on_workers(lambda: _restore_probe(cfg, folder), tmp_path, f"probe-{arch}")
+    loaded = checkpoint.load(result.checkpoint.path)
+    assert loaded.state.step == 2
+    entry = REGISTRY[arch]
+    trained = {entry.part_of(n) for n in loaded.state.trainable}
+    assert trained == set(PARTS), f"trained parts {trained}: LoRA, vision tower and aligner expected"
     assert probe["step"] == 2
     assert probe["lr"] == loaded.state.scheduler["_last_lr"][0]
     assert probe["moments_nonzero"]

@@ -129,35 +129,18 @@ def test_many_faults_in_one_run_end_bitwise_equal(straight, tiny_models, digits)
     final = _final(result)
     assert final.state.step == STEPS
     assert final.state.restarts == 4, final.state.restarts
+    rows = read_metrics(str(storage), "many")
+    # the kill before step 3 resumed from step 2's checkpoint; the kill while writing step 6's lost that
+    # checkpoint (never reported), so the groups after it resumed from step 4's (group 3 may die before
+    # it reports a row: then the first row after the second restart is group 4's, from step 4's too)
+    assert next(r["step"] for r in rows if r["restarts"] >= 1) == 3
+    assert next(r["step"] for r in rows if r["restarts"] >= 2) == 5
     for name, value in reference.weights.items():
         assert torch.equal(value, final.weights[name]), (
             f"{name} differs after {final.state.restarts} restarts"
         )
     for name, value in reference.moments.items():
         assert torch.equal(value, final.moments[name]), name
-
-
-def test_kill_while_checkpointing_then_resume_bitwise(straight, tiny_models, digits):
-    storage, reference = straight
-    cfg = tiny_run_config(
-        tiny_models("llava"),
-        digits[0],
-        storage,
-        "ckpt-drill",
-        f"train.max_steps={STEPS}",
-        "fault.kill_checkpoint_steps=4,6",
-        "fault.kill_rank=0",
-    )
-    result = run(cfg)
-    assert result.error is None
-    final = _final(result)
-    assert final.state.restarts == 2
-    rows = read_metrics(str(storage), "ckpt-drill")
-    # each kill lost the unreported checkpoint it was writing: resumed from step 2, then from step 4
-    assert [r["step"] for r in rows if r["restarts"] == 1][0] == 3
-    assert [r["step"] for r in rows if r["restarts"] == 2][0] == 5
-    for name, value in reference.weights.items():
-        assert torch.equal(value, final.weights[name]), name
 
 
 def test_other_worker_counts_2_1_3(straight, tiny_models, digits):

@@ -170,11 +170,11 @@ def copy_adapter(folder: str | Path, out: str | Path) -> list[str]:
 
 
 def versions() -> dict[str, str]:
-    import deepspeed
     import peft
     import transformers
 
     import raylora
+    from raylora.ds import deepspeed
 
     return {
         "raylora": raylora.__version__,

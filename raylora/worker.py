@@ -17,7 +17,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import deepspeed
 import ray.train
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from raylora.data import (
     read,
 )
 from raylora.drills import maybe_kill
+from raylora.ds import deepspeed
 from raylora.evaluate import evaluate_sharded
 from raylora.formats import BadRow, Rows, open_rows
 from raylora.loss import answer_token_losses, predicts_answer

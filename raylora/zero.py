@@ -23,9 +23,9 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
 from raylora.config import Config
+from raylora.ds import ZeroParamStatus
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

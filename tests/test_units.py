@@ -212,3 +212,20 @@ def test_what_is_trained_has_one_definition(frozen, tiny_models, digits, tmp_pat
     parts = {arch.part_of(n) for n in real if ".lora_" not in n}
     assert parts == ({"aligner"} if frozen == "true" else {"aligner", "vision_tower"})
     assert detect(folder) is arch  # detected once per process, then remembered
+
+
+def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_still_imports_after():
+    """raylora.ds keeps DeepSpeed's autotuner from importing MLflow at every worker start (about a
+    second); a fresh process, as a Ray worker starts, then imports MLflow as usual."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, raylora.worker\n"
+        "assert 'deepspeed' in sys.modules\n"
+        "assert 'mlflow' not in sys.modules, 'DeepSpeed imported MLflow'\n"
+        "import mlflow\n"
+        "assert mlflow.__version__\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -4,7 +4,8 @@
    reporting metrics every `run.report_every_s` (its default); step times are the `wall_time` of each
    step's row (when the step ended on rank 0), as the metrics reach Ray Train's controller (a callback),
    so the time spent in the reports between steps is included.
-2. The same, reporting every step (`run.report_every_s=0`): what raylora did before it batched reports.
+2. The same, reporting every step (`run.report_every_s=0`): what raylora did before it batched reports
+   (not at --tiny, the smoke test).
 3. The same ZeRO-3 loop without Ray: 2 processes from torch.multiprocessing, gloo, calling
    `raylora.worker.setup` and `raylora.worker.train_step` directly; same model, config and batches.
 
@@ -99,13 +100,15 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
             *more,
         )
 
-    samples: dict[str, list[float]] = {v: [] for v in VARIANTS} | {"plain": []}
+    # --tiny (the smoke test) leaves out the every-step variant: one Ray run fewer, the same code path
+    variants = {"raylora": VARIANTS["raylora"]} if args.tiny else VARIANTS
+    samples: dict[str, list[float]] = {v: [] for v in variants} | {"plain": []}
     in_step: list[float] = []
     reports: list[int] = []
     load: dict[str, list[float]] = {k: [] for k in samples}
     for rep in range(reps):
         name = f"w{width}-{rep}"
-        for variant, more in VARIANTS.items():
+        for variant, more in variants.items():
             c = cfg(f"throughput-{variant}-{name}", *more)
             preflight(c)
             load[variant].append(os.getloadavg()[0])
@@ -128,23 +131,36 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         samples["plain"].append(rate(json.loads(out.read_text())["times"], warmup))
 
     med = {k: common.median(v) for k, v in samples.items()}
+    every_step = "raylora_every_step" in samples
     return {
         "model": f"tiny llava width {width}, {layers}+{layers} layers",
         "overrides": overrides,
         "load_average_1min_before_each_run": load,
         "figures": {
             "raylora_steps_per_s": common.summary(samples["raylora"]),
-            "raylora_every_step_steps_per_s": common.summary(samples["raylora_every_step"]),
+            **(
+                {"raylora_every_step_steps_per_s": common.summary(samples["raylora_every_step"])}
+                if every_step
+                else {}
+            ),
             "plain_deepspeed_steps_per_s": common.summary(samples["plain"]),
             "raylora_train_step_only_steps_per_s": common.summary(in_step),
             "raylora_reports_per_run": reports,
             "plain_seconds_per_step": 1 / med["plain"],
             "ray_seconds_added_per_step": 1 / med["raylora"] - 1 / med["plain"],
-            "ray_seconds_added_per_step_every_step": 1 / med["raylora_every_step"] - 1 / med["plain"],
+            **(
+                {"ray_seconds_added_per_step_every_step": 1 / med["raylora_every_step"] - 1 / med["plain"]}
+                if every_step
+                else {}
+            ),
         },
         "ratios": {
             "raylora_over_plain": med["raylora"] / med["plain"],
-            "raylora_every_step_over_plain": med["raylora_every_step"] / med["plain"],
+            **(
+                {"raylora_every_step_over_plain": med["raylora_every_step"] / med["plain"]}
+                if every_step
+                else {}
+            ),
             "raylora_over_plain_per_pair": [
                 r / p for r, p in zip(samples["raylora"], samples["plain"], strict=True)
             ],

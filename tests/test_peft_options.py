@@ -37,26 +37,36 @@ RUNS = {
 SHORT = ("train.max_steps=3", "train.warmup_steps=0")
 
 
-@pytest.fixture(scope="module", params=list(RUNS))
-def trained(request, ray_cluster, tiny_models, digits, tmp_path_factory):
-    """A 3-step run with the options RUNS names, and its step-2 checkpoint restored on 2 workers."""
-    name, model_dir = request.param, tiny_models("llava")
-    storage = tmp_path_factory.mktemp(f"peft-{name}")
-    cfg = tiny_run_config(model_dir, digits[0], storage, name, *SHORT, *RUNS[name])
-    result = run(cfg)
-    assert result.error is None
-    folder = result.best_checkpoints[0][0].path  # step 2, mid-schedule: moments are nonzero
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tiny_models, digits, tmp_path_factory):
+    """A 3-step run for each option set RUNS names, then each run's step-2 checkpoint restored, one
+    after the other, on one group of 2 workers (a group's start is most of a tiny run's time)."""
+    model_dir = tiny_models("llava")
+    storage = tmp_path_factory.mktemp("peft")
     examples = [read(open_rows(str(digits[1])), i) for i in range(3)]
-    probe_cfg = tiny_run_config(model_dir, digits[0], storage, "probe", *SHORT, *RUNS[name])
-    probe = on_workers(lambda: _restore_probe(probe_cfg, folder, examples), storage, "probe")
-    return {
-        "name": name,
-        "model_dir": model_dir,
-        "folder": Path(folder),
-        "probe": probe,
-        "examples": examples,
-        "cfg": cfg,
-    }
+    out, probes = {}, []
+    for name, options in RUNS.items():
+        cfg = tiny_run_config(model_dir, digits[0], storage, name, *SHORT, *options)
+        result = run(cfg)
+        assert result.error is None, name
+        folder = result.best_checkpoints[0][0].path  # step 2, mid-schedule: moments are nonzero
+        probe = tiny_run_config(model_dir, digits[0], storage, f"probe-{name}", *SHORT, *options)
+        probes.append((name, probe, folder))
+        out[name] = {"name": name, "model_dir": model_dir, "folder": Path(folder), "cfg": cfg}
+        out[name]["examples"] = examples
+
+    def restore_each():
+        return {name: _restore_probe(probe, folder, examples) for name, probe, folder in probes}
+
+    restored = on_workers(restore_each, storage, "probes")
+    for name in out:
+        out[name]["probe"] = restored[name]
+    return out
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
+def trained(request, runs):
+    return runs[request.param]
 
 
 @pytest.mark.distributed

@@ -177,7 +177,9 @@ class RunConfig:
 @dataclass
 class FaultConfig:
     kill_at_steps: list[int] = field(default_factory=list)
-    """Fault drill: before each of these steps a worker kills its own process, once per step."""
+    """Fault drill: before each of these steps a worker kills its own process, once per step. A kill
+    between checkpoints first waits until Ray has recorded the last one, so the run resumes from it; a
+    kill at a step that is itself checkpointed may come before Ray has taken that checkpoint."""
     kill_rank: int = 1
     """Fault drill: the rank that kills itself."""
     kill_checkpoint_steps: list[int] = field(default_factory=list)

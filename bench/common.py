@@ -341,6 +341,66 @@ def collective_figures(samples: list[tuple[float, dict[str, Any]]]) -> dict[str,
     }
 
 
+class CpuSampler:
+    """CPU time of every process on the machine, sampled every `every_s` seconds in a thread, grouped by
+    what the process is: `cores(t0, t1)` gives each group's cores in use between two moments.
+
+    Groups: `workers` (Ray Train workers, the plain loop's processes, and the input-pipeline processes
+    forked from either), `ray_train_controller`, `other_ray` (raylet, GCS, dashboard, log monitor, Ray's
+    helper actors and idle workers), `benchmark_driver` (this process) and `rest`.
+    """
+
+    def __init__(self, every_s: float = 0.5):
+        self.every_s, self.snapshots = every_s, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _group(pid: int, cmdline: str) -> str:
+        if pid == os.getpid():
+            return "benchmark_driver"
+        if "RayTrainWorker" in cmdline or "multiprocessing.spawn" in cmdline:
+            return "workers"
+        if "TrainController" in cmdline:
+            return "ray_train_controller"
+        if "ray::" in cmdline or "/ray/" in cmdline or "raylet" in cmdline or "gcs_server" in cmdline:
+            return "other_ray"
+        return "rest"
+
+    def _run(self) -> None:
+        import psutil
+
+        while not self._stop.is_set():
+            snapshot = {}
+            for proc in psutil.process_iter():
+                try:
+                    cpu = proc.cpu_times()
+                    snapshot[proc.pid] = (
+                        self._group(proc.pid, " ".join(proc.cmdline())),
+                        cpu.user + cpu.system,
+                    )
+                except (psutil.Error, OSError):
+                    continue
+            self.snapshots.append((time.time(), snapshot))
+            self._stop.wait(self.every_s)
+
+    def cores(self, t0: float, t1: float) -> dict[str, float]:
+        """Stop sampling; each group's CPU seconds per second between the last snapshot at or before t0
+        and the first at or after t1 (processes that lived through both)."""
+        self._stop.set()
+        self._thread.join()
+        snaps = self.snapshots
+        a_t, a = max((s for s in snaps if s[0] <= t0), default=snaps[0], key=lambda s: s[0])
+        b_t, b = min((s for s in snaps if s[0] >= t1), default=snaps[-1], key=lambda s: s[0])
+        assert b_t > a_t, "the sampler saw the window only once"
+        out = dict.fromkeys(["workers", "ray_train_controller", "other_ray", "benchmark_driver", "rest"], 0.0)
+        for pid, (group, cpu) in b.items():
+            if pid in a:
+                out[group] += (cpu - a[pid][1]) / (b_t - a_t)
+        return out
+
+
 def step_clock(path: str | Path):
     """A Ray Train callback (it runs in the controller) that appends `{t, reported, step, restarts}` to
     `path` for every step row of rank 0's reports: `t` when the step ended on rank 0 (its `wall_time`; a

@@ -106,6 +106,13 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
     in_step: list[float] = []
     reports: list[int] = []
     load: dict[str, list[float]] = {k: [] for k in samples}
+    # cores each group of processes used over the timed steps: raylora's run and the loop without Ray
+    cores: dict[str, dict[str, list[float]]] = {"raylora": {}, "plain": {}}
+
+    def add_cores(label: str, sampler: common.CpuSampler, times: list[float]) -> None:
+        for group, value in sampler.cores(times[warmup - 1], times[-2]).items():
+            cores[label].setdefault(group, []).append(value)
+
     for rep in range(reps):
         name = f"w{width}-{rep}"
         for variant, more in variants.items():
@@ -113,12 +120,14 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
             preflight(c)
             load[variant].append(os.getloadavg()[0])
             clock = work / f"clock-{variant}-{name}.jsonl"
+            sampler = common.CpuSampler() if variant == "raylora" else None
             result = make_trainer(c, [common.step_clock(clock)]).fit()
             assert result.error is None, result.error
             rows = [r for r in common.read_clock(clock) if r["restarts"] == 0]
             assert [r["step"] for r in rows] == list(range(1, steps + 1)), "a step's row is missing"
             samples[variant].append(rate([r["t"] for r in rows], warmup))
             if variant == "raylora":
+                add_cores("raylora", sampler, [r["t"] for r in rows])
                 reports.append(len({r["reported"] for r in rows}))
                 history = result.return_value or []
                 # train_step's own time, without reporting: what Ray costs on top of it
@@ -127,8 +136,11 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
 
         out = work / f"plain-{name}.json"
         load["plain"].append(os.getloadavg()[0])
+        sampler = common.CpuSampler()
         mp.spawn(plain_worker, args=(2, free_port(), cfg(f"plain-{name}"), steps, str(out)), nprocs=2)
-        samples["plain"].append(rate(json.loads(out.read_text())["times"], warmup))
+        times = json.loads(out.read_text())["times"]
+        samples["plain"].append(rate(times, warmup))
+        add_cores("plain", sampler, times)
 
     med = {k: common.median(v) for k, v in samples.items()}
     every_step = "raylora_every_step" in samples
@@ -146,6 +158,10 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
             "plain_deepspeed_steps_per_s": common.summary(samples["plain"]),
             "raylora_train_step_only_steps_per_s": common.summary(in_step),
             "raylora_reports_per_run": reports,
+            "cores_while_training": {
+                label: {group: common.summary(v) for group, v in groups.items()}
+                for label, groups in cores.items()
+            },
             "plain_seconds_per_step": 1 / med["plain"],
             "ray_seconds_added_per_step": 1 / med["raylora"] - 1 / med["plain"],
             **(

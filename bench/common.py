@@ -386,13 +386,17 @@ class CpuSampler:
             self._stop.wait(self.every_s)
 
     def cores(self, t0: float, t1: float) -> dict[str, float]:
-        """Stop sampling; each group's CPU seconds per second between the last snapshot at or before t0
-        and the first at or after t1 (processes that lived through both)."""
+        """Stop sampling; each group's CPU seconds per second between the first and the last snapshot
+        inside [t0, t1] (processes that lived through both). A window too short for two snapshots (the
+        smoke test's) takes the snapshots around it instead, where a process may start or end between."""
         self._stop.set()
         self._thread.join()
-        snaps = self.snapshots
-        a_t, a = max((s for s in snaps if s[0] <= t0), default=snaps[0], key=lambda s: s[0])
-        b_t, b = min((s for s in snaps if s[0] >= t1), default=snaps[-1], key=lambda s: s[0])
+        inside = [s for s in self.snapshots if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            before = [s for s in self.snapshots if s[0] < t0] or self.snapshots[:1]
+            after = [s for s in self.snapshots if s[0] > t1] or self.snapshots[-1:]
+            inside = [before[-1], after[0]]
+        (a_t, a), (b_t, b) = inside[0], inside[-1]
         assert b_t > a_t, "the sampler saw the window only once"
         out = dict.fromkeys(["workers", "ray_train_controller", "other_ray", "benchmark_driver", "rest"], 0.0)
         for pid, (group, cpu) in b.items():

@@ -143,44 +143,34 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         add_cores("plain", sampler, times)
 
     med = {k: common.median(v) for k, v in samples.items()}
-    every_step = "raylora_every_step" in samples
+    figures = {
+        "raylora_steps_per_s": common.summary(samples["raylora"]),
+        "plain_deepspeed_steps_per_s": common.summary(samples["plain"]),
+        "raylora_train_step_only_steps_per_s": common.summary(in_step),
+        "raylora_reports_per_run": reports,
+        "cores_while_training": {
+            label: {group: common.summary(v) for group, v in groups.items()}
+            for label, groups in cores.items()
+        },
+        "plain_seconds_per_step": 1 / med["plain"],
+        "ray_seconds_added_per_step": 1 / med["raylora"] - 1 / med["plain"],
+    }
+    ratios = {
+        "raylora_over_plain": med["raylora"] / med["plain"],
+        "raylora_over_plain_per_pair": [
+            r / p for r, p in zip(samples["raylora"], samples["plain"], strict=True)
+        ],
+    }
+    if "raylora_every_step" in samples:
+        figures["raylora_every_step_steps_per_s"] = common.summary(samples["raylora_every_step"])
+        figures["ray_seconds_added_per_step_every_step"] = 1 / med["raylora_every_step"] - 1 / med["plain"]
+        ratios["raylora_every_step_over_plain"] = med["raylora_every_step"] / med["plain"]
     return {
         "model": f"tiny llava width {width}, {layers}+{layers} layers",
         "overrides": overrides,
         "load_average_1min_before_each_run": load,
-        "figures": {
-            "raylora_steps_per_s": common.summary(samples["raylora"]),
-            **(
-                {"raylora_every_step_steps_per_s": common.summary(samples["raylora_every_step"])}
-                if every_step
-                else {}
-            ),
-            "plain_deepspeed_steps_per_s": common.summary(samples["plain"]),
-            "raylora_train_step_only_steps_per_s": common.summary(in_step),
-            "raylora_reports_per_run": reports,
-            "cores_while_training": {
-                label: {group: common.summary(v) for group, v in groups.items()}
-                for label, groups in cores.items()
-            },
-            "plain_seconds_per_step": 1 / med["plain"],
-            "ray_seconds_added_per_step": 1 / med["raylora"] - 1 / med["plain"],
-            **(
-                {"ray_seconds_added_per_step_every_step": 1 / med["raylora_every_step"] - 1 / med["plain"]}
-                if every_step
-                else {}
-            ),
-        },
-        "ratios": {
-            "raylora_over_plain": med["raylora"] / med["plain"],
-            **(
-                {"raylora_every_step_over_plain": med["raylora_every_step"] / med["plain"]}
-                if every_step
-                else {}
-            ),
-            "raylora_over_plain_per_pair": [
-                r / p for r, p in zip(samples["raylora"], samples["plain"], strict=True)
-            ],
-        },
+        "figures": figures,
+        "ratios": ratios,
     }
 
 

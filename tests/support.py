@@ -118,6 +118,61 @@ def read_params(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor
     return out
 
 
+def train_and_save(cfg, steps: int, out: str | Path) -> list[dict[str, float]]:
+    """On each Ray Train worker: raylora's training path without its loop (`worker.setup`, `steps` x
+    `worker.train_step`, `worker.save_checkpoint`), the checkpoint moved to `out` by rank 0; returns the
+    steps' metrics. Several of these in one `on_workers` function start one worker group, not one each."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from raylora import worker
+
+    s = worker.setup(cfg, None)
+    metrics = [worker.train_step(s) for _ in range(steps)]
+    ckpt = worker.save_checkpoint(s)
+    if s.rank == 0:
+        shutil.move(ckpt.path, out)
+    dist.barrier()  # the other ranks read `out` next
+    return metrics
+
+
+def restore_probe(cfg, folder: str | Path, examples: list | None = None) -> dict:
+    """On each Ray Train worker: restore from `folder` as `worker.setup` does, then read back what the
+    engine holds before any step (and, given `examples`, the restored ZeRO-3 model's logits on them, in
+    eval mode); rank 0 returns whether each part equals the checkpoint, the others `{}`."""
+    import torch
+
+    from raylora import checkpoint, zero
+    from raylora.data import make_batch
+    from raylora.worker import setup
+
+    loaded = checkpoint.load(folder)
+    s = setup(cfg, loaded)
+    model_values = read_params(s.params)
+    gathered = zero.gather_trainable_state(s.engine, s.params)
+    logits = None
+    if examples is not None:  # every rank takes part in a ZeRO-3 forward pass
+        batch = make_batch(s.processor, examples)
+        batch.pop("labels")
+        s.engine.module.eval()
+        with torch.no_grad():
+            logits = s.engine.module(**{k: v.to(s.engine.device) for k, v in batch.items()}).logits
+        logits = logits.cpu().numpy()  # Ray Train refuses tensors in a training function's return value
+    if s.rank != 0:
+        return {}
+    masters, moments = gathered
+    return {
+        "logits": logits,
+        "step": s.step,
+        "lr": s.scheduler.get_last_lr()[0],
+        "params_equal": all(torch.equal(model_values[n], loaded.weights[n]) for n in loaded.weights),
+        "masters_equal": all(torch.equal(masters[n], loaded.weights[n]) for n in loaded.weights),
+        "moments_equal": all(torch.equal(moments[n], loaded.moments[n]) for n in loaded.moments),
+        "moments_nonzero": any(bool(t.abs().sum() > 0) for t in loaded.moments.values()),
+    }
+
+
 def assert_weights_close(
     reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: float
 ) -> None:

@@ -2,7 +2,7 @@
 
 The fast tests load each tiny model folder as a worker does and check that the registry describes it;
 the distributed test trains each newer architecture for 2 steps on 2 Ray workers under ZeRO-3 and
-restores the checkpoints on one group of 2 workers (Llava and Qwen2-VL go through the longer
+restores its checkpoint, all on one group of 2 workers (Llava and Qwen2-VL go through the longer
 tests/test_resume.py).
 """
 
@@ -20,11 +20,9 @@ from raylora import checkpoint
 from raylora.arch import REGISTRY, Architecture, detect, lora_target_regex
 from raylora.assets import TINY_ARCHS
 from raylora.data import IGNORE_INDEX, make_batch
-from raylora.driver import run
 from raylora.processor import load_processor
-from tests.support import on_workers, tiny_run_config
+from tests.support import on_workers, restore_probe, tiny_run_config, train_and_save
 from tests.test_batches import ANSWERS, END_OF_TURN, SAMPLES
-from tests.test_resume import _restore_probe
 
 PARTS = ("language_model", "vision_tower", "aligner")
 # llava and qwen2_vl go through tests/test_resume.py
@@ -92,31 +90,37 @@ def test_batch_feeds_forward_and_every_part_learns(arch, tiny_models):
 
 @pytest.fixture(scope="module")
 def round_trips(ray_cluster, tiny_models, digits, tmp_path_factory):
-    """Each newer architecture trained 2 steps on 2 workers, then every step-2 checkpoint restored on one
-    group of 2 workers (one after the other: a worker group's start is most of a tiny run's time)."""
+    """Each newer architecture trained 2 steps and its step-2 checkpoint restored, one after the other on
+    one group of 2 workers (a worker group's start is most of a tiny run's time)."""
     storage = tmp_path_factory.mktemp("round-trips")
     overrides = ["train.max_steps=2", "train.checkpoint_every=2"]
-    results, probes = {}, []
-    for arch in NEWER_ARCHS:
-        results[arch] = run(
-            tiny_run_config(tiny_models(arch), digits[0], storage, f"two-steps-{arch}", *overrides)
+    runs = [
+        (
+            arch,
+            tiny_run_config(tiny_models(arch), digits[0], storage, f"two-steps-{arch}", *overrides),
+            tiny_run_config(tiny_models(arch), digits[0], storage, f"probe-{arch}", *overrides),
+            storage / f"checkpoint-{arch}",
         )
-        assert results[arch].error is None, arch
-        cfg = tiny_run_config(tiny_models(arch), digits[0], storage, f"probe-{arch}", *overrides)
-        probes.append((arch, cfg, results[arch].checkpoint.path))  # local storage: the folder itself
-    restored = on_workers(
-        lambda: {arch: _restore_probe(cfg, folder) for arch, cfg, folder in probes}, storage, "probes"
-    )
-    return {arch: (results[arch], restored[arch]) for arch in NEWER_ARCHS}
+        for arch in NEWER_ARCHS
+    ]
+
+    def each():
+        return {
+            arch: (train_and_save(cfg, 2, folder), restore_probe(probe, folder))
+            for arch, cfg, probe, folder in runs
+        }
+
+    done = on_workers(each, storage, "round-trips")
+    return {arch: (*done[arch], folder) for arch, _, _, folder in runs}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", NEWER_ARCHS)
 def test_zero3_two_steps_then_restore_equals_checkpoint(arch, round_trips):
-    result, probe = round_trips[arch]
-    assert math.isfinite(result.metrics["loss"])
-    loaded = checkpoint.load(result.checkpoint.path)
+    metrics, probe, folder = round_trips[arch]
+    assert [m["step"] for m in metrics] == [1, 2] and all(math.isfinite(m["loss"]) for m in metrics)
+    loaded = checkpoint.load(folder)
     assert loaded.state.step == 2
     entry = REGISTRY[arch]
     trained = {entry.part_of(n) for n in loaded.state.trainable}

@@ -1,17 +1,17 @@
 """PEFT options under ZeRO-3: DoRA, rsLoRA, PiSSA / OLoRA init, modules_to_save; and the refused ones.
 
-Two runs on 2 Ray workers (fully partitioned ZeRO-3), each mixing several options, train 3 steps. The
-step-2 checkpoint is restored on 2 workers and compared with itself (parameters, fp32 masters, Adam
-moments), and the restored ZeRO-3 model's logits with what plain PEFT (`load_for_inference`) and a
-merged export compute from the same checkpoint: an option that ZeRO-3 broke in the forward pass (DoRA
-reads the partitioned base weight) or that the checkpoint saves under the wrong keys shows there.
+Two option sets, each mixing several options, train 2 steps of a 3-step schedule on 2 Ray workers
+(fully partitioned ZeRO-3). The step-2 checkpoint is restored on the same 2 workers and compared with
+itself (parameters, fp32 masters, Adam moments), and the restored ZeRO-3 model's logits with what
+plain PEFT (`load_for_inference`) and a merged export compute from the same checkpoint: an option that
+ZeRO-3 broke in the forward pass (DoRA reads the partitioned base weight) or that the checkpoint saves
+under the wrong keys shows there.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import peft
 import pytest
@@ -21,13 +21,12 @@ from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint, cli, config
 from raylora.data import make_batch, read
-from raylora.driver import preflight, run
+from raylora.driver import preflight
 from raylora.evaluate import load_for_inference
 from raylora.formats import open_rows
 from raylora.model import add_lora, base_name, set_trainable, trainable_parameters
 from raylora.processor import load_processor
-from tests.support import on_workers, tiny_run_config
-from tests.test_resume import _restore_probe
+from tests.support import on_workers, restore_probe, tiny_run_config, train_and_save
 
 RUNS = {
     "dora": ("lora.use_dora=true", "lora.use_rslora=true", "lora.init=olora"),
@@ -39,28 +38,32 @@ SHORT = ("train.max_steps=3", "train.warmup_steps=0")
 
 @pytest.fixture(scope="module")
 def runs(ray_cluster, tiny_models, digits, tmp_path_factory):
-    """A 3-step run for each option set RUNS names, then each run's step-2 checkpoint restored, one
-    after the other, on one group of 2 workers (a group's start is most of a tiny run's time)."""
+    """Each option set RUNS names trained 2 steps (mid-schedule: the moments are nonzero) and its
+    checkpoint restored, one after the other on one group of 2 workers (a group's start is most of a
+    tiny run's time)."""
     model_dir = tiny_models("llava")
     storage = tmp_path_factory.mktemp("peft")
     examples = [read(open_rows(str(digits[1])), i) for i in range(3)]
-    out, probes = {}, []
+    out = {}
     for name, options in RUNS.items():
         cfg = tiny_run_config(model_dir, digits[0], storage, name, *SHORT, *options)
-        result = run(cfg)
-        assert result.error is None, name
-        folder = result.best_checkpoints[0][0].path  # step 2, mid-schedule: moments are nonzero
         probe = tiny_run_config(model_dir, digits[0], storage, f"probe-{name}", *SHORT, *options)
-        probes.append((name, probe, folder))
-        out[name] = {"name": name, "model_dir": model_dir, "folder": Path(folder), "cfg": cfg}
-        out[name]["examples"] = examples
+        out[name] = {"name": name, "model_dir": model_dir, "folder": storage / f"checkpoint-{name}"}
+        out[name].update(cfg=cfg, probe_cfg=probe, examples=examples)
 
-    def restore_each():
-        return {name: _restore_probe(probe, folder, examples) for name, probe, folder in probes}
+    def each():
+        return {
+            name: (
+                train_and_save(trained["cfg"], 2, trained["folder"]),
+                restore_probe(trained["probe_cfg"], trained["folder"], examples),
+            )
+            for name, trained in out.items()
+        }
 
-    restored = on_workers(restore_each, storage, "probes")
-    for name in out:
-        out[name]["probe"] = restored[name]
+    done = on_workers(each, storage, "probes")
+    for name, (metrics, probe) in done.items():
+        assert [m["step"] for m in metrics] == [1, 2], name
+        out[name]["probe"] = probe
     return out
 
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from raylora import checkpoint
 from tests.support import final_checkpoint as _final
-from tests.support import on_workers, read_params, straight_and_killed, tiny_run_config
+from tests.support import on_workers, restore_probe, straight_and_killed, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -158,45 +158,12 @@ def test_async_upload_killed_right_after_a_checkpoint_resumes_exactly(runs, digi
         checkpoint.verify(run_dir / folder)
 
 
-def _restore_probe(cfg, folder: str, examples: list | None = None) -> dict:
-    """On each rank: restore from `folder`, then read back what the engine holds before any step
-    (and, given `examples`, the restored ZeRO-3 model's logits on them, in eval mode)."""
-    from raylora import zero
-    from raylora.data import make_batch
-    from raylora.worker import setup
-
-    loaded = checkpoint.load(folder)
-    s = setup(cfg, loaded)
-    model_values = read_params(s.params)
-    gathered = zero.gather_trainable_state(s.engine, s.params)
-    logits = None
-    if examples is not None:  # every rank takes part in a ZeRO-3 forward pass
-        batch = make_batch(s.processor, examples)
-        batch.pop("labels")
-        s.engine.module.eval()
-        with torch.no_grad():
-            logits = s.engine.module(**{k: v.to(s.engine.device) for k, v in batch.items()}).logits
-        logits = logits.cpu().numpy()  # Ray Train refuses tensors in a training function's return value
-    if s.rank != 0:
-        return {}
-    masters, moments = gathered
-    return {
-        "logits": logits,
-        "step": s.step,
-        "lr": s.scheduler.get_last_lr()[0],
-        "params_equal": all(torch.equal(model_values[n], loaded.weights[n]) for n in loaded.weights),
-        "masters_equal": all(torch.equal(masters[n], loaded.weights[n]) for n in loaded.weights),
-        "moments_equal": all(torch.equal(moments[n], loaded.moments[n]) for n in loaded.moments),
-        "moments_nonzero": any(bool(t.abs().sum() > 0) for t in loaded.moments.values()),
-    }
-
-
 def test_restore_equals_checkpoint_before_any_step(runs, tmp_path):
     arch_ckpt = runs["straight"].best_checkpoints[0][0]  # the step-2 checkpoint, mid-schedule
     with arch_ckpt.as_directory() as folder:
         state = checkpoint.load(folder).state
         cfg = tiny_run_config(runs["model_dir"], state.config["data"]["train"], tmp_path, "probe", VISION_LR)
-        probe = on_workers(lambda: _restore_probe(cfg, folder), tmp_path, "probe")
+        probe = on_workers(lambda: restore_probe(cfg, folder), tmp_path, "probe")
     assert probe["step"] == state.step
     assert probe["lr"] == state.scheduler["_last_lr"][0]
     assert probe["moments_nonzero"]

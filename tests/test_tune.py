@@ -98,7 +98,7 @@ def test_killed_tune_driver_resumes_unfinished_trials(ray_cluster, tiny_models, 
         "--num-samples",
         "1",
         "--max-concurrent",
-        "1",
+        "2",  # both trials at once (1 worker each): the kill catches both mid-run, in half the time
         "jobs/tiny.yaml",
         *overrides,
     ]

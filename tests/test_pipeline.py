@@ -48,3 +48,40 @@ def dying(step: int) -> dict:
 def test_a_worker_that_dies_raises_instead_of_hanging():
     with pytest.raises(RuntimeError, match="DataLoader worker"):
         list(step_inputs(dying, range(6), workers=1))
+
+
+class _Trainer:
+    """A Ray actor that trains as a Ray Train worker does, with the pipeline's processes beside it."""
+
+    def start(self) -> tuple[int, int]:
+        self.batches = step_inputs(build, range(100), workers=1)
+        return next(self.batches)["pid"], os.getpid()
+
+    def crash(self) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.distributed
+def test_workers_die_with_the_training_process(ray_cluster):
+    """A Ray worker that crashes takes its loader worker with it at once. A loader worker that lived on
+    would hold the crashed process's connection to Ray open (Ray would see the crash, and restart the
+    run, only when torch's own check of the parent ends the loader worker, ~5 s later)."""
+    import time
+
+    import psutil
+
+    trainer = ray_cluster.remote(num_cpus=1)(_Trainer).remote()
+    loader_worker, actor = ray_cluster.get(trainer.start.remote())
+    assert loader_worker != actor
+    trainer.crash.remote()
+    deadline = time.monotonic() + 2.0
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    while alive(actor) or alive(loader_worker):
+        assert time.monotonic() < deadline, "the loader worker outlived the crashed training process"
+        time.sleep(0.02)

@@ -95,6 +95,9 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
             work / "ray",
             name,
             *overrides,
+            # batches built inline, in the training process, as the loop without Ray builds them (and as
+            # the demo does); the background pipeline is measured by bench/pipeline.py
+            "data.workers=0",
             f"train.max_steps={steps}",
             f"train.checkpoint_every={steps}",
             *more,

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import common
 
-from tests.support import on_workers, start_ray, tiny_run_config
+from tests.support import on_workers, start_ray, tiny_run_config, train_and_save
 
 WORKERS = (1, 2, 4)
 
@@ -78,15 +78,9 @@ def make_checkpoint(cfg, out: str) -> dict:
     """Train one step on 2 workers and keep the checkpoint at `out`; returns its file sizes."""
     import torch.distributed as dist
 
-    from raylora import worker
-
-    s = worker.setup(cfg, None)
-    worker.train_step(s)
-    ckpt = worker.save_checkpoint(s)
-    dist.barrier()
-    if s.rank != 0:
+    train_and_save(cfg, 1, out)
+    if dist.get_rank() != 0:
         return {}
-    shutil.move(ckpt.path, out)
     return {p.name: p.stat().st_size for p in Path(out).iterdir()}
 
 

@@ -58,8 +58,9 @@ def _die_with_parent(parent: int, _worker_id: int) -> None:
 
     A forked worker inherits the training process's connection to Ray's raylet, and Ray sees a worker
     die only when that connection closes: while the child lives, a crashed training process looks alive.
-    torch's workers notice a dead parent only at their next status check (every 5 s). prctl has no
-    Python binding in the standard library, hence ctypes.
+    torch's workers notice a dead parent only at their next status check (every 5 s). Linux sends the
+    signal when the thread that forked the worker ends: the training function's thread, which iterates
+    the loader to its end. prctl has no Python binding in the standard library, hence ctypes.
     """
     if sys.platform != "linux":
         return

@@ -10,6 +10,15 @@ from tests.support import use_ray_test_env
 use_ray_test_env()
 
 
+# Modules that replace the shared Ray with one of their own (several nodes, another environment) and shut
+# it down: run last, so that the modules after them do not each start the shared Ray again.
+OWN_RAY = ("test_hub.py", "test_multinode.py", "test_node_loss.py", "test_preemption.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: item.path.name in OWN_RAY)  # stable: the order within each part stays
+
+
 @pytest.fixture(scope="session")
 def digits(tmp_path_factory):
     """(train.parquet, eval.parquet) of the handwritten digits."""

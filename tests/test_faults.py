@@ -147,7 +147,11 @@ def test_other_worker_counts_2_1_3(straight, tiny_models, digits):
     storage, _ = straight
     base = [f"train.max_steps={STEPS}", "lora.dropout=0.0", "run.max_failures=0", "fault.kill_rank=0"]
     model, data = tiny_models("llava"), digits[0]
-    reference = run(tiny_run_config(model, data, storage, "elastic-ref", *base))
+    # the reference is also the elastic case: a [1, 2] range on a Ray with room for 2 runs on 2 throughout
+    reference = run(tiny_run_config(model, data, storage, "elastic-ref", *base, "scaling.num_workers=[1,2]"))
+    assert reference.error is None
+    assert [m["world_size"] for m in reference.return_value] == [2] * STEPS
+    assert _final(reference).state.world_size == 2
     # 2 workers until step 4 (the drill then fails the run), 1 worker until step 8, 3 workers to the end:
     # 8 samples over 3 ranks are shares of 3, 3 and 2, so the last rank's second pass is a stand-in
     with pytest.raises(TrainingFailedError):
@@ -223,21 +227,3 @@ def test_checkpoints_hold_only_json_and_safetensors(straight):
     for folder in _checkpoints(storage / "straight"):
         names = {p.name for p in folder.iterdir()}
         assert all(n.endswith((".json", ".safetensors")) for n in names), names
-
-
-def test_elastic_worker_range(straight, tiny_models, digits):
-    storage, _ = straight
-    cfg = tiny_run_config(
-        tiny_models("llava"),
-        digits[0],
-        storage,
-        "elastic-range",
-        "train.max_steps=2",
-        "scaling.num_workers=[1,2]",
-    )
-    result = run(cfg)
-    assert result.error is None
-    final = _final(result)
-    # the shared Ray has room for the most workers the range allows, and nothing resized the group
-    assert final.state.step == 2 and final.state.world_size == 2
-    assert [m["world_size"] for m in result.return_value] == [2, 2]

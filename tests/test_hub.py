@@ -1,7 +1,8 @@
 """model.path as a Hugging Face Hub id, resolved offline from a Hub cache laid out as huggingface_hub does.
 
 No network: HF_HUB_OFFLINE=1 and HF_HOME pointing at a cache built here from a tiny model folder. The
-distributed test trains on 2 Ray workers from the Hub id, through a fault drill and a resume.
+distributed test trains on 2 Ray workers from the Hub id, through a fault drill and a resume, with its
+data and its run storage given as `file://` URIs (pyarrow's filesystem path, as for s3:// or gs://).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from huggingface_hub import constants
 from raylora import checkpoint, hub
 from raylora.config import ConfigError
 from raylora.driver import preflight, run
+from raylora.progress import read_metrics
 from raylora.resume import base_model_fingerprint, check_resume
 from tests.support import start_ray, tiny_run_config
 
@@ -169,23 +171,25 @@ def _state(result) -> checkpoint.TrainState:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_trains_and_resumes_from_a_hub_id(offline_ray, tiny_models, digits, tmp_path):
+def test_trains_and_resumes_from_a_hub_id_on_uri_storage(offline_ray, tiny_models, digits, tmp_path):
+    """The model named by its Hub id; the data and the run's storage as pyarrow filesystem URIs (here
+    `file://`, the code path of s3:// and gs://)."""
     _, commit = offline_ray
     local = base_model_fingerprint(tiny_models("llava"))
+    storage, data = f"file://{tmp_path / 'uri-storage'}", f"file://{digits[0]}"
 
     # A worker kills itself before step 3; the new worker group resumes from the step-2 checkpoint.
-    first = run(
-        tiny_run_config(REPO, digits[0], tmp_path, "hub", "train.max_steps=4", "fault.kill_at_steps=[3]")
-    )
+    first = run(tiny_run_config(REPO, data, storage, "hub", "train.max_steps=4", "fault.kill_at_steps=[3]"))
     assert first.error is None
+    assert first.checkpoint.path.startswith(str(tmp_path / "uri-storage" / "hub"))
     state = _state(first)
     assert (state.step, state.restarts) == (4, 1)
     assert state.config["model"]["path"] == REPO  # the workers resolved the Hub id themselves
     assert state.base_model == local
+    rows = read_metrics(storage, "hub")
+    assert [r["step"] for r in rows if r["restarts"] == 1] == [3, 4]
 
     # The same run continued with the revision pinned to the commit main pointed to: the same base
     # model, so the driver's resume check (which fingerprints the resolved files) accepts it.
-    pinned = tiny_run_config(
-        REPO, digits[0], tmp_path, "hub", "train.max_steps=6", f"model.revision={commit}"
-    )
+    pinned = tiny_run_config(REPO, data, storage, "hub", "train.max_steps=6", f"model.revision={commit}")
     assert check_resume(pinned).step == 4

@@ -32,9 +32,8 @@ def _free_port() -> int:
 
 
 def _env() -> dict:
-    env = {**RAY_TEST_ENV, **{k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}}
-    env["PATH"] = f"{BIN}:{env['PATH']}"
-    return env
+    # PATH already starts with BIN (tests.support.use_ray_test_env): the entrypoint's `python` is this one
+    return {**RAY_TEST_ENV, **{k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}}
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from raylora.config import ConfigError
+from raylora.config import ConfigError, ModelConfig
 
 log = logging.getLogger("raylora")
 
@@ -66,21 +66,64 @@ REGISTRY: dict[str, Architecture] = {
 }
 
 
-@functools.cache
-def detect(model_path: str | Path, arch: str | None = None) -> Architecture:
-    """The registry entry named by `arch`, or by the folder's config.json `model_type`.
+def for_model(model_path: str | Path, model: ModelConfig) -> Architecture:
+    """`detect` with what the config says of the model (model.arch, its prefixes, trust_remote_code)."""
+    parts = (model.language_model, model.vision_tower, model.aligner)
+    return detect(model_path, model.arch, parts if all(parts) else None, model.trust_remote_code)
 
-    Once per process for each folder: the driver's checks and a worker's build ask it several times.
+
+def remote_code(model_path: str | Path) -> dict[str, str]:
+    """The folder's `auto_map` (config.json): the classes it brings in its own modeling files; {} if none."""
+    config_file = Path(model_path) / "config.json"
+    try:
+        return json.loads(config_file.read_text()).get("auto_map") or {}
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.path: cannot read {config_file}: {err}") from err
+
+
+def auto_model_class(auto_map: dict[str, str]):
+    """`AutoModelForImageTextToText`, or `AutoModelForCausalLM` for a model whose own modeling code
+    (`auto_map` in its config.json) registers only that, as Phi-3-vision's does."""
+    import transformers
+
+    if auto_map and "AutoModelForImageTextToText" not in auto_map and "AutoModelForCausalLM" in auto_map:
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModelForImageTextToText
+
+
+@functools.cache
+def detect(
+    model_path: str | Path,
+    arch: str | None = None,
+    parts: tuple[str, str, str] | None = None,
+    trust_remote_code: bool = False,
+) -> Architecture:
+    """The registry entry named by `arch`, or by the folder's config.json `model_type`; for a model_type
+    not in the registry, `parts` (language model, vision tower, aligner prefixes: model.language_model, ...).
+
+    A folder with its own modeling code (`auto_map`) is refused unless `trust_remote_code`. Once per
+    process for each folder: the driver's checks and a worker's build ask it several times.
     """
+    auto_map = remote_code(model_path)
+    if auto_map and not trust_remote_code:
+        raise ConfigError(
+            f"model.trust_remote_code: {model_path} carries its own modeling code (config.json auto_map: "
+            f"{', '.join(sorted(set(auto_map.values())))}); set model.trust_remote_code: true to load it "
+            f"through transformers' remote-code path, which runs that code on every node"
+        )
     if arch is None:
         config_file = Path(model_path) / "config.json"
         try:
             arch = json.loads(config_file.read_text())["model_type"]
         except (OSError, ValueError, KeyError) as err:
             raise ConfigError(f"model.path: cannot read model_type from {config_file}: {err}") from err
+    if parts is not None and arch not in REGISTRY:
+        log.warning("architecture %s is not in raylora's registry: using the prefixes the config names", arch)
+        return Architecture(arch, *parts, tested=False)
     if arch not in REGISTRY:
         raise ConfigError(
-            f"model.arch: unsupported architecture {arch!r} (supported: {', '.join(sorted(REGISTRY))})"
+            f"model.arch: unsupported architecture {arch!r} (supported: {', '.join(sorted(REGISTRY))}; for "
+            f"another, name its parts' prefixes: model.language_model, model.vision_tower, model.aligner)"
         )
     if not REGISTRY[arch].tested:
         log.warning("architecture %s is registered but not tested with raylora", arch)

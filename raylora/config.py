@@ -24,6 +24,11 @@ class ConfigError(ValueError):
     """Bad configuration or input, found before any expensive work starts (the CLI exits with 2)."""
 
 
+# raylora.formats' FORMATS and ALIASES, named here so that a config is checked without importing the
+# readers (pyarrow, PIL); tests/test_config.py holds the two lists equal.
+DATA_FORMATS = ("raylora", "chat", "llava", "sharegpt", "alpaca", "query_response")
+
+
 @dataclass
 class ModelConfig:
     path: str = ""
@@ -37,6 +42,17 @@ class ModelConfig:
     attn_implementation: str = "sdpa"
     """Attention kernel: `sdpa` (PyTorch's fused attention), `eager`, or `flash_attention_2` (needs the
     flash_attn package on every node, GPUs and bf16)."""
+    trust_remote_code: bool = False
+    """Load a model folder that carries its own modeling code (`auto_map` in config.json, e.g.
+    Phi-3-vision) through transformers' remote-code path, from the folder or Hub cache: that code runs on
+    every node. Off: such a folder is refused before Ray starts."""
+    language_model: str | None = None
+    """Parameter-name prefix of the language model (where LoRA goes), for an architecture raylora has no
+    entry for (`raylora.arch`); with model.vision_tower and model.aligner. Unset: the registry's."""
+    vision_tower: str | None = None
+    """Parameter-name prefix of the vision tower, for an architecture raylora has no entry for."""
+    aligner: str | None = None
+    """Parameter-name prefix of the aligner (projector), for an architecture raylora has no entry for."""
 
 
 @dataclass
@@ -70,13 +86,18 @@ class DataConfig:
     """Held-out data in the same formats, for evaluation: the prompt is every turn before the last assistant
     turn, the answer that turn's text."""
     format: str | None = None
-    """Format of data.train and data.eval: `raylora` (image, prompt, answer), `chat` (messages, images) or
-    `llava` (conversations, image). Unset: detected from the fields found."""
+    """Format of data.train and data.eval: `raylora` (image, prompt, answer), `chat` (messages with string or
+    part content, images/image/videos), `llava` or `sharegpt` (conversations of from/value, image/images),
+    `alpaca` (instruction, input, output) or `query_response` (ms-swift's query, response). Unset: detected
+    from the fields found (README: Data formats)."""
     image_root: str | None = None
     """Folder (or URI) that relative image paths in the data are resolved against. Unset: the data file's
     folder."""
     on_bad_row: str = "skip"
     """A row whose image does not decode or whose answer is empty: `skip` (counted, reported) or `error`."""
+    max_bad_fraction: float = 0.01
+    """Largest fraction of bad rows in the sample of data.train that the driver reads, renders and tokenises
+    before Ray starts (the first rows and a seeded random sample); more and the run is refused, naming why."""
     max_length: int | None = None
     """Most tokens per sample (every turn, image tokens, end-of-turn tokens); a longer sample is skipped, not
     cut, and counted in the step's `too_long` metric (README: Memory). Unset: no limit."""
@@ -472,13 +493,21 @@ def validate(cfg: Config) -> None:
         )
     if cfg.data.workers < 0:
         raise ConfigError(f"data.workers must be 0 (inline) or more, got {cfg.data.workers}")
-    if cfg.data.format not in (None, "raylora", "chat", "llava"):
+    if cfg.data.format is not None and cfg.data.format not in DATA_FORMATS:
         raise ConfigError(
-            f"data.format must be raylora, chat or llava (unset: detected), got {cfg.data.format!r}"
+            f"data.format must be one of {', '.join(DATA_FORMATS)} (unset: detected), got {cfg.data.format!r}"
         )
     if cfg.data.on_bad_row not in ("skip", "error"):
         raise ConfigError(f"data.on_bad_row must be skip or error, got {cfg.data.on_bad_row!r}")
+    if not 0.0 <= cfg.data.max_bad_fraction <= 1.0:
+        raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {cfg.data.max_bad_fraction}")
     _validate_memory(cfg)
+    parts = (cfg.model.language_model, cfg.model.vision_tower, cfg.model.aligner)
+    if any(parts) and not all(parts):
+        raise ConfigError(
+            "model.language_model, model.vision_tower and model.aligner are set together (parameter-name "
+            "prefixes of an architecture raylora has no entry for), or none of them"
+        )
     if not cfg.model.path:
         raise ConfigError("model.path is required: a local Hugging Face model folder or a Hub id (org/name)")
     if cfg.model.revision is not None and not cfg.model.revision.strip():

@@ -8,6 +8,7 @@ this sampler of our own; its position is just the step.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from raylora.config import ConfigError
-from raylora.formats import Rows, load_image
+from raylora.formats import BadRow, Rows, load_image
 
 IGNORE_INDEX = -100  # labels PyTorch's cross-entropy skips: prompt, image and padding tokens
 
@@ -77,9 +78,20 @@ Decoded = tuple[list[dict], list[Image.Image]]
 """A sample ready to batch: `Sample.messages` and its images decoded, one per image part, in order."""
 
 
+# Why a row with videos is not trained (the driver refuses a source with video rows before Ray starts).
+NO_VIDEO = (
+    "a video row: raylora trains on images only. The Qwen2-VL family's video processor needs torchvision, "
+    "and the registry's torchvision (a CUDA build) does not import beside the CPU torch raylora pins; a "
+    "<video> tag is never trained on as text, so the row is not used"
+)
+
+
 def read(rows: Rows, i: int) -> Decoded:
-    """Row `i` of `rows`, its images decoded; `BadRow` when the row or one of its images is unusable."""
+    """Row `i` of `rows`, its images decoded; `BadRow` when the row or one of its images is unusable, and
+    for a row with videos (`NO_VIDEO`)."""
     sample = rows.sample(i)
+    if sample.video_count or sample.videos:
+        raise BadRow(NO_VIDEO)
     return sample.messages, [load_image(entry) for entry in sample.images]
 
 
@@ -87,13 +99,6 @@ def last_answer(messages: list[dict]) -> str:
     """The text of the last assistant turn: what generation from the turns before it should produce."""
     turn = next(m for m in reversed(messages) if m["role"] == "assistant")
     return "".join(part.get("text", "") for part in turn["content"])
-
-
-@dataclass(frozen=True)
-class _Piece:
-    text: str
-    labelled: bool
-    images: int  # image parts in the turns this piece renders
 
 
 def _image_parts(messages: list[dict]) -> int:
@@ -104,86 +109,152 @@ def _render(processor, messages: list[dict], generation_prompt: bool) -> str:
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def _rest(text: str, start: str, turns: int) -> str:
-    """`text` after its beginning `start`; `ValueError` where the chat template did not render it there."""
+@dataclass(frozen=True)
+class _Span:
+    start: int  # characters of the rendering
+    end: int
+    closed: bool  # whether the template ends the turn with a token of its own after the answer
+
+
+def _continues(text: str, start: str, turns: int) -> None:
+    """`ValueError` where the chat template renders `start` (turns 1-`turns`) differently in `text`."""
     if not text.startswith(start):
         raise ValueError(
             f"the model's chat template renders turns 1-{turns} differently once later turns follow them, "
             f"so the assistant's tokens cannot be told apart from the rest; raylora needs a template that "
             f"renders a conversation as its rendering of every earlier part plus what follows"
         )
-    return text[len(start) :]
 
 
-def _pieces(processor, messages: list[dict], generation_prompt: bool) -> list[_Piece]:
-    """The conversation as the chat template renders it, cut into pieces that are the assistant's or not.
+def _answer_spans(processor, messages: list[dict], generation_prompt: bool) -> tuple[str, list[_Span]]:
+    """The conversation rendered once by the chat template, and the character span of each assistant turn.
 
-    Each assistant turn k is the text that rendering turns 0..k adds to rendering turns 0..k-1 with the
-    generation prompt: its answer and its end-of-turn token as the template writes them; whitespace after
-    the end of turn goes with the next piece. Rendering prefixes (LLaMA-Factory's approach) rather than
-    finding the answers in one rendering works with any template that renders a conversation as an
-    extension of its beginning, and needs neither generation markers in the template (most have none) nor
-    character offsets, which the processor's image-token expansion would shift. With `generation_prompt`
-    the last piece ends with the generation prompt: the prompt of the turn after `messages`.
+    Turn k's span is what rendering turns 0..k adds to rendering turns 0..k-1 with the generation prompt:
+    its answer and its end-of-turn token as the template writes them; whitespace after it belongs to what
+    follows. Rendering prefixes (LLaMA-Factory's approach) rather than looking for the answers in the text
+    works with any template that renders a conversation as an extension of its beginning, and needs no
+    generation markers in the template (most have none). With `generation_prompt` the text ends with the
+    generation prompt of the turn after `messages`.
     """
-    pieces, done, turn = [], "", 0
+    whole = _render(processor, messages, generation_prompt)
+    spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         prompt = _render(processor, messages[:k], generation_prompt=True)
-        answer = _rest(_render(processor, messages[: k + 1], generation_prompt=False), prompt, k).rstrip()
-        pieces.append(_Piece(_rest(prompt, done, turn), False, _image_parts(messages[turn:k])))
-        pieces.append(_Piece(answer, True, _image_parts([message])))
-        done, turn = prompt + answer, k + 1
-    whole = _render(processor, messages, generation_prompt)
-    pieces.append(_Piece(_rest(whole, done, turn), False, _image_parts(messages[turn:])))
-    return [p for p in pieces if p.text or p.images]
+        through = _render(processor, messages[: k + 1], generation_prompt=False)
+        _continues(through, prompt, k)
+        answer = through[len(prompt) :].rstrip()
+        _continues(whole, prompt + answer, k + 1)
+        # closed: the template wrote something after the answer's text (<|im_end|>, </s>, ...)
+        text = "".join(part.get("text", "") for part in message["content"]).strip()
+        closed = not answer.endswith(text) if text else bool(answer.strip())
+        spans.append(_Span(len(prompt), len(prompt) + len(answer), closed))
+    return whole, spans
 
 
 @dataclass
 class _Row:
     tokens: dict[str, list[int]]  # token-aligned: input_ids, attention_mask, mm_token_type_ids, ...
     labels: list[int]
-    vision: dict[str, list[torch.Tensor]]  # pixel_values, image_grid_thw, ...: one per piece with images
+    vision: dict[str, list[torch.Tensor]]  # pixel_values, image_grid_thw, ...: one entry per sample
 
 
 # Processor outputs that are not token-aligned although they can have the shape (1, tokens).
 VISION_KEYS = ("image_grid_thw", "image_sizes")
 
 
-def encode(processor, sample: Decoded, with_answers: bool = True) -> _Row:
-    """One sample's tokens and labels: every assistant turn (and its end-of-turn token) labelled, nothing
-    else. Without answers: the turns before the last assistant turn, then the generation prompt.
+def _labelled_tokens(tokenizer, text: str, spans: list[_Span], special: bool):
+    """(ids, labelled, stops) of `text` tokenised once: whether each token lies in an assistant span, and
+    after which token a stop token must be added because the template closed that turn with none.
 
-    Each piece goes through the processor with its own images, which expands their image tokens. A piece
-    is tokenised on its own: the cuts lie where the generation prompt ends (where a generation prompt is
-    cut anyway) and after a turn's end (a special token, which tokenisers never merge across).
+    The tokenizer's offset mapping says which characters each token covers; a token overlapping an
+    answer's span is the answer's (a SentencePiece '▁seven' covers the space before the word). Tokenising
+    the whole rendering, instead of each turn alone, is what makes the trained sequence the one inference
+    sees: a SentencePiece tokenizer prefixes '▁' to every text it is given, so pieces tokenised one by one
+    gain tokens that the whole never has.
+    """
+    enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    labelled, stops = [False] * len(ids), []
+    for span in spans:
+        inside = [j for j, (a, b) in enumerate(offsets) if b > a and a < span.end and b > span.start]
+        if not inside and span.end > span.start:
+            raise ValueError(f"an assistant turn ({text[span.start : span.end]!r:.40}) has no tokens")
+        if not inside:  # an empty answer (the stand-in's): its stop goes after the prompt's last token
+            inside = [max((j for j, (a, b) in enumerate(offsets) if b > a and b <= span.start), default=0)]
+            stops.append(inside[0])
+            continue
+        for j in inside:
+            labelled[j] = True
+        # Where the template ends the turn with a token of its own (<|im_end|>, <end_of_turn>, </s>), that
+        # token is trained as the stop; where it writes none (llava-1.5: the answer and a space), EOS is
+        # added after the answer and trained, as LLaVA's own training and LLaMA-Factory's template do.
+        if not span.closed:
+            stops.append(inside[-1])
+    return ids, labelled, stops
+
+
+def _align(plain: list[int], expanded: list[int]) -> list[int | None]:
+    """For each token of `expanded` (the processor's ids, image tokens expanded), its index in `plain`
+    (the same text tokenised without images), or None for a token the expansion added.
+
+    The processors expand images by rewriting the text around each image token, in ways of their own
+    (Llava repeats <image>, Gemma3 adds line breaks and <start_of_image>...<end_of_image>, Idefics3 adds
+    tiles and row markers), so the two are aligned by their longest common runs (difflib) instead of
+    by each architecture's rule."""
+    if plain == expanded:
+        return list(range(len(plain)))
+    where: list[int | None] = [None] * len(expanded)
+    for i, j, n in difflib.SequenceMatcher(None, plain, expanded, autojunk=False).get_matching_blocks():
+        where[j : j + n] = range(i, i + n)
+    return where
+
+
+def encode(processor, sample: Decoded, with_answers: bool = True) -> _Row:
+    """One sample's tokens and labels: every assistant turn and its stop token labelled, nothing else.
+    Without answers: the turns before the last assistant turn, then the generation prompt.
+
+    The conversation is rendered once and tokenised once, by the processor with all its images (which
+    expands their image tokens), as at inference. The labels come from the assistant turns' character
+    spans (`_answer_spans`) through the tokenizer's offsets (`_labelled_tokens`), carried over to the
+    processor's tokens (`_align`). `ValueError` when the template or the processor cannot serve this
+    sample (a bad row).
     """
     messages, images = sample
     if not with_answers:
         last = max(k for k, m in enumerate(messages) if m["role"] == "assistant")
         messages, images = messages[:last], images[: _image_parts(messages[:last])]
-    bos = processor.tokenizer.bos_token
-    row, used = _Row({}, [], {}), 0
-    for n, piece in enumerate(_pieces(processor, messages, generation_prompt=not with_answers)):
-        # transformers' own rule for chat-template text: special tokens only where the template wrote none
-        special = n == 0 and not (bos and piece.text.startswith(bos))
-        enc = processor(
-            text=[piece.text],
-            images=images[used : used + piece.images] or None,
-            return_tensors="pt",
-            add_special_tokens=special,
-        )
-        used += piece.images
-        ids = enc["input_ids"][0].tolist()
-        for key, value in enc.items():
-            if value.dim() == 2 and value.shape == (1, len(ids)) and key not in VISION_KEYS:
-                row.tokens.setdefault(key, [0] * len(row.labels)).extend(value[0].tolist())
-            else:
-                row.vision.setdefault(key, []).append(value)
-        row.labels += ids if piece.labelled else [IGNORE_INDEX] * len(ids)
-        for values in row.tokens.values():  # a key this piece lacks (e.g. text without images): zeros
-            values.extend([0] * (len(row.labels) - len(values)))
+    text, spans = _answer_spans(processor, messages, generation_prompt=not with_answers)
+    tokenizer = processor.tokenizer
+    # transformers' own rule for chat-template text: special tokens only where the template wrote none
+    special = not (tokenizer.bos_token and text.startswith(tokenizer.bos_token))
+    plain, labelled, stops = _labelled_tokens(tokenizer, text, spans, special)
+    enc = processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=special)
+    ids = enc["input_ids"][0].tolist()
+    where = _align(plain, ids)
+    carried = {i for i in where if i is not None}
+    if any(labelled[i] and i not in carried for i in range(len(plain))):
+        raise ValueError("the processor tokenises an assistant turn differently once its images are expanded")
+    row = _Row({}, [], {})
+    aligned = {}
+    for key, value in enc.items():
+        if value.dim() == 2 and value.shape == (1, len(ids)) and key not in VISION_KEYS:
+            aligned[key] = value[0].tolist()
+        else:
+            row.vision[key] = [value]
+    # the added stop tokens: EOS itself, attended to, and 0 in every other token-aligned input
+    added = {"input_ids": tokenizer.eos_token_id, "attention_mask": 1}
+    after = set(stops)
+    row.tokens = {key: [] for key in aligned}
+    for j, i in enumerate(where):
+        for key, values in aligned.items():
+            row.tokens[key].append(values[j])
+        row.labels.append(ids[j] if i is not None and labelled[i] else IGNORE_INDEX)
+        if i in after:
+            for key in aligned:
+                row.tokens[key].append(added.get(key, 0))
+            row.labels.append(tokenizer.eos_token_id)
     return row
 
 
@@ -233,20 +304,19 @@ def make_batch(processor, samples: list[Decoded], with_answers: bool = True) -> 
 
 
 def end_of_turn_ids(processor) -> list[int]:
-    """Token ids that end generation: EOS, and the special token that closes an assistant turn in the chat
-    template (Qwen's <|im_end|>, Gemma's <end_of_turn>), where training taught the model to stop."""
-    tokenizer = processor.tokenizer
+    """The token that ends generation: exactly the stop token training labels after every answer (the
+    template's own end of turn, Qwen's <|im_end|> or Gemma's <end_of_turn>, else the EOS `encode` adds)."""
     probe = [
         {"role": "user", "content": [{"type": "text", "text": "?"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "0"}]},
     ]
     labels = encode(processor, (probe, [])).labels
-    last = [t for t in labels if t != IGNORE_INDEX][-1]
-    return list(dict.fromkeys([tokenizer.eos_token_id] + [last] * (last in tokenizer.all_special_ids)))
+    return [[t for t in labels if t != IGNORE_INDEX][-1]]
 
 
 def check_chat_template(processor) -> None:
-    """`ValueError` (before the first step) when the chat template cannot be cut into turns (`_pieces`)."""
+    """`ValueError` (before the first step) when the chat template cannot be cut into turns
+    (`_answer_spans`)."""
     text = {"type": "text", "text": "?"}
     turns = [{"role": role, "content": [text]} for role in ("user", "assistant") * 2]
     encode(processor, (turns, []))
@@ -288,10 +358,21 @@ def check_max_length(processor, max_length: int) -> None:
         )
 
 
-def limit_length(processor, samples: list[Decoded | None], max_length: int | None) -> tuple[dict, list[int]]:
+def limit_length(
+    processor,
+    samples: list[Decoded | None],
+    max_length: int | None,
+    *,
+    rejected: dict[int, str] | None = None,
+) -> tuple[dict, list[int]]:
     """A training micro batch: `make_batch`, with each `None` slot (no sample) and each sample longer than
     `max_length` tokens (all its turns, image tokens and end-of-turn tokens) replaced by the label-less
     `stand_in()`. Returns the batch and the positions of the too-long samples.
+
+    With `rejected` given, a sample that the processor or the chat template rejects (a `ValueError` such
+    as "Found 1 <image> tokens in the text but no images", or the template's own `raise_exception`) is a
+    bad row: it is replaced by the stand-in too, and its position and why go into `rejected`. The same
+    row fails at every attempt, so it must not fail the step. Without `rejected` the error propagates.
 
     Too-long samples are skipped, not truncated: cutting image tokens breaks the model's image-token
     count, and cutting an answer would train on part of it.
@@ -303,7 +384,19 @@ def limit_length(processor, samples: list[Decoded | None], max_length: int | Non
     (and adding 0 times its output to the loss) would need each architecture's vision call; its labels are
     all IGNORE_INDEX, so it changes neither the loss nor the gradient.
     """
-    rows = [_stand_in_row(processor) if s is None else encode(processor, s) for s in samples]
+    from jinja2 import TemplateError  # what a chat template's raise_exception raises
+
+    rows = []
+    for i, sample in enumerate(samples):
+        try:
+            rows.append(_stand_in_row(processor) if sample is None else encode(processor, sample))
+        except (ValueError, TemplateError) as err:
+            if rejected is None or sample is None:
+                raise
+            rejected[i] = (
+                f"the processor rejects it ({type(err).__name__}: {' '.join(str(err).split())[:300]})"
+            )
+            rows.append(_stand_in_row(processor))
     too_long = [i for i, r in enumerate(rows) if max_length is not None and len(r.labels) > max_length]
     for i in too_long:
         rows[i] = _stand_in_row(processor)

@@ -88,6 +88,8 @@ def demo(
         "restarts": state.restarts,
         "final_loss": result.metrics.get("loss"),
         "eval_accuracy": scores["accuracy"],
+        # answers the model ended with its stop token, within a budget well past the answer's length
+        "eval_stopped": scores["stopped_fraction"],
         "eval_loss": scores["loss"],
         "eval_samples": scores["samples"],
         "trainable_params": trainable,

@@ -1,15 +1,22 @@
 """The data formats raylora reads, each row into one `raylora.sample.Sample` (README: Data formats).
 
 - `raylora`: Parquet with columns image (encoded bytes), prompt, answer: one user turn, one answer.
-- `chat`: Parquet or JSONL with `messages` (Hugging Face chat style) and `images` (encoded bytes,
-  `{bytes, path}` structs as `datasets` writes its Image feature, or paths).
-- `llava`: JSON (an array) or JSONL with `conversations` (`{from, value}` turns, `<image>` placeholders)
-  and `image` (a path or a list of paths, against `data.image_root`).
+- `chat`: `messages` of `{role, content}` turns (Hugging Face, TRL, OpenAI, axolotl, ms-swift, LLaMA-Factory's
+  openai style), content a string with `<image>`/`<video>` tags or a list of parts, and `images` / `image` /
+  `videos` (`raylora.formats_turns`).
+- `llava` (alias `sharegpt`): `conversations` of `{from, value}` turns with `<image>` tags, and `image` or
+  `images` (LLaVA, LLaMA-Factory's sharegpt; `raylora.formats_turns`).
+- `alpaca` (`instruction`, `input`, `output`) and `query_response` (ms-swift's `query`, `response`), with
+  `system`, `history`, `images` (`raylora.formats_alpaca`).
+- LLaMA-Factory's `dataset_info.json#entry`: that entry's file, read through its `columns` and `tags`
+  (`raylora.formats_llamafactory`).
 
 Each may be one file, a folder of Parquet files (what Ray Data and `raylora prepare-data` write), or a folder
 that `datasets.save_to_disk` wrote (its Arrow files are read here, without `datasets`); local or through any
 pyarrow filesystem URI. Rows are read when a batch uses them, never at the start, so that memory and start-up
-per rank stay flat however many rows there are; images are decoded only in `load_image`.
+per rank stay flat however many rows there are; images are decoded only in `load_image`. An `http(s)://`
+image is a `BadRow` whose reason starts "remote image URL" (`raylora.rows.REMOTE`), met by the driver's
+preflight on the first rows. Videos are read into `Sample.videos`; the batch builder does not take them yet.
 """
 
 from __future__ import annotations
@@ -28,49 +35,58 @@ import pyarrow.fs
 import pyarrow.parquet as pq
 from PIL import Image
 
+from raylora import formats_alpaca, formats_llamafactory, formats_turns
 from raylora.config import ConfigError
+from raylora.rows import BadRow, Layout, Resolve, checked, data_url, entry, media, text
 from raylora.sample import Sample
 from raylora.storage import filesystem, is_uri
 
+__all__ = ["BadRow", "Rows", "check_source", "load_image", "open_rows"]
+
 # The fields that make each format, in the order detection tries them (the most specific first).
-FIELDS = {"chat": ("messages",), "llava": ("conversations",), "raylora": ("image", "prompt", "answer")}
-FORMATS = ("raylora", "chat", "llava")
+FIELDS = {
+    "chat": ("messages",),
+    "llava": ("conversations",),
+    "alpaca": ("instruction", "output"),
+    "query_response": ("query", "response"),
+    "raylora": ("image", "prompt", "answer"),
+}
+FORMATS = ("raylora", "chat", "llava", "alpaca", "query_response")
+ALIASES = {"sharegpt": "llava"}  # LLaMA-Factory's name for conversations of from/value
 ACCEPTED = (
-    "raylora (Parquet: image, prompt, answer), chat (Parquet or JSONL: messages, images), "
-    "llava (JSON or JSONL: conversations, image); as a file, a folder of Parquet files or a "
-    "datasets.save_to_disk folder"
+    "raylora (Parquet: image, prompt, answer), chat (messages, images), llava/sharegpt (conversations, "
+    "image or images), alpaca (instruction, input, output, images), query_response (query, response, "
+    "images), or a LLaMA-Factory dataset_info.json#entry; as a JSON/JSONL/Parquet file, a folder of Parquet "
+    "files or a datasets.save_to_disk folder"
 )
-# The fields each format reads (an optional one may be absent).
-READS = {**FIELDS, "chat": ("messages", "images"), "llava": ("conversations", "image")}
-CHAT_ROLES = ("system", "user", "assistant")
-LLAVA_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
-IMAGE = {"type": "image"}
-# LLaVA writes "<image>\n" before the question: the placeholder's own line break goes with it.
-PLACEHOLDER = re.compile(r"\n?<image>\n?")
+# Fields that hold media or turns: one a source has and its reader does not read is named, never dropped
+# silently (`Rows.unread_fields`, for the driver's preflight).
+WATCHED = (
+    "images", "image", "videos", "video", "audios", "audio", "messages", "conversations", "conversation",
+    "history", "system", "tools", "chosen", "rejected", "rejected_response", "rejected_messages",
+    "rejected_images", "objects",
+)  # fmt: skip
 # Decoded Parquet row groups kept per process. The sampler visits rows in a random order, so a cache only
 # pays where the whole data set is a few row groups (it then stays decoded); a big one has small row groups
 # (prepare-data writes them) that are cheap to read again, and a bound keeps memory flat in the rows.
 ROW_GROUP_CACHE = 4
 CHUNK = 1 << 24  # bytes a JSONL file is scanned by: the index never holds the file
-
-
-class BadRow(Exception):
-    """A row that cannot be trained on; `reason` says why."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
+JSON_NAMES = 32  # JSON records whose keys make a source's field names (rows of JSONL vary in their keys)
 
 
 def load_image(entry: bytes | str) -> Image.Image:
-    """The image of one `Sample.images` entry (encoded bytes, or a path/URI), decoded to RGB."""
+    """The image of one `Sample.images` entry (encoded bytes, a path/URI or a `data:` URL), decoded to RGB."""
     try:
-        if isinstance(entry, str):
+        if isinstance(entry, str) and entry[:5].lower() == "data:":
+            entry = data_url(entry)
+        elif isinstance(entry, str):
             fs, path = filesystem(entry)
             with fs.open_input_file(path) as f:
                 entry = f.read()
         with Image.open(io.BytesIO(entry)) as img:
             return img.convert("RGB")  # decodes every pixel: a truncated file fails here, not in a batch
+    except BadRow:
+        raise
     except FileNotFoundError as err:
         raise BadRow(f"image not found: {err}") from err
     except Exception as err:  # PIL and the filesystems raise many types for a broken file
@@ -83,14 +99,21 @@ class Rows:
     Picklable (the input pipeline's processes get a copy): open files and caches are reopened after.
     """
 
-    def __init__(self, uri: str, fmt: str, records: _Records, image_root: str):
-        self.uri, self.format, self.records, self.image_root = uri, fmt, records, image_root
+    def __init__(self, uri: str, layout: Layout, records: _Records, image_root: str, unread: list[str]):
+        self.uri, self.layout, self.records, self.image_root = uri, layout, records, image_root
+        # Fields of the source that hold media or turns and that its reader does not read (`WATCHED`),
+        # for the driver's preflight to name: never dropped silently.
+        self.unread_fields = unread
+
+    @property
+    def format(self) -> str:
+        return self.layout.format
 
     def __len__(self) -> int:
         return len(self.records)
 
     def sample(self, i: int) -> Sample:
-        return SAMPLES[self.format](self.records.record(i), self.resolve)
+        return READERS[self.layout.format](self.records.record(i), self.layout, self.resolve)
 
     def resolve(self, path: str) -> str:
         """An image path as a row holds it, made a path/URI this process can open."""
@@ -117,8 +140,32 @@ def check_source(
 
 
 def _open(uri: str, key: str, fmt: str | None, image_root: str | None) -> Rows:
+    fmt = ALIASES.get(fmt, fmt)
     if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"data.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    layout, unread, data_uri = None, [], uri
+    if (entry_of := formats_llamafactory.split(uri)) is not None:
+        data_uri, root, layout, unread = formats_llamafactory.entry(*entry_of, key)
+        image_root = image_root or root
+        if fmt is not None and fmt != layout.format:
+            raise ConfigError(
+                f"{key}: {uri} is in the {layout.format} format by its entry; data.format is {fmt}"
+            )
+    records, root = _records(data_uri, key)
+    names = records.names
+    if layout is None:
+        layout = _detect(uri, key, fmt, names)
+    read = set(layout.fields.values())
+    unread += [n for n in names if n in WATCHED and n not in read and n not in unread]
+    # Parquet and Arrow read only the columns the reader uses (a missing one reads as absent)
+    records.columns = [n for n in names if n in read]
+    return Rows(uri, layout, records, image_root or root, unread)
+
+
+def _records(uri: str, key: str) -> tuple[_Records, str]:
+    """The records of the file or folder at `uri`, and the folder its relative paths are against."""
+    if posixpath.basename(uri.rstrip("/")) == "dataset_info.json":
+        raise ConfigError(f"{key}: {uri} is LLaMA-Factory's list of data sets: name one, as {uri}#name")
     fs, path = filesystem(uri)
     try:
         info = fs.get_file_info(path)
@@ -128,12 +175,13 @@ def _open(uri: str, key: str, fmt: str | None, image_root: str | None) -> Rows:
         raise ConfigError(f"{key}: data file or folder not found: {uri}")
     try:
         if info.type == pyarrow.fs.FileType.Directory:
-            records, root = _folder(fs, path, key, uri), uri
-        else:
-            records, root = _file(fs, path, key, uri), posixpath.dirname(uri.rstrip("/"))
+            return _folder(fs, path, key, uri), uri
+        return _file(fs, path, key, uri), posixpath.dirname(uri.rstrip("/"))
     except (OSError, ValueError, BadRow, pa.ArrowException) as err:  # ValueError: json's errors
         raise ConfigError(f"{key}: {uri} is not readable as data ({type(err).__name__}: {err})") from err
-    names = records.names
+
+
+def _detect(uri: str, key: str, fmt: str | None, names: list[str]) -> Layout:
     if fmt is None:
         fmt = next((f for f, needs in FIELDS.items() if set(needs) <= set(names)), None)
     if fmt is None or not set(FIELDS[fmt]) <= set(names):
@@ -145,8 +193,7 @@ def _open(uri: str, key: str, fmt: str | None, image_root: str | None) -> Rows:
         raise ConfigError(
             f"{key}: {uri} {what}; its fields: {', '.join(names) or 'none'}. Formats accepted: {ACCEPTED}"
         )
-    records.columns = [n for n in names if n in READS[fmt]]
-    return Rows(uri, fmt, records, image_root or root)
+    return LAYOUTS[fmt](names)
 
 
 def _file(fs, path: str, key: str, uri: str) -> _Records:
@@ -275,8 +322,14 @@ class _Json(_Records):
                 self.spans = _array_spans(head + f.read())
             else:
                 self.spans = _line_spans(head, f)
-        first = self.record(0) if len(self.spans) else {}
-        self.names = list(first)
+        names: dict[str, None] = {}  # in order of first appearance
+        for i in range(min(len(self.spans), JSON_NAMES)):
+            try:
+                names.update(dict.fromkeys(self.record(i)))
+            except BadRow:
+                if i == 0:
+                    raise
+        self.names = list(names)
 
     def __len__(self) -> int:
         return len(self.spans)
@@ -328,95 +381,29 @@ def _array_spans(data: bytes) -> np.ndarray:
     return np.asarray(spans, dtype=np.int64).reshape(-1, 2)
 
 
-def _text(text: str) -> dict:
-    return {"type": "text", "text": text}
-
-
-def _image_entry(value, resolve) -> bytes | str:
-    """One image as a row holds it (bytes, a `{bytes, path}` struct, a path) as a `Sample.images` entry."""
-    if isinstance(value, dict):
-        value = value.get("bytes") or value.get("path")
-    if isinstance(value, (bytes, bytearray)) and value:
-        return bytes(value)
-    if isinstance(value, str) and value:
-        return resolve(value)
-    raise BadRow(f"image missing or empty ({type(value).__name__})")
-
-
-def _checked(messages: list[dict], images: list) -> Sample:
-    """The Sample, or `BadRow` when nothing in it can be trained on or its images do not match."""
-    answers = [t for t in messages if t["role"] == "assistant"]
-    if not answers:
-        raise BadRow("no assistant turn")
-    if any(not "".join(p.get("text", "") for p in t["content"]).strip() for t in answers):
-        raise BadRow("empty answer")
-    sample = Sample(messages, images)
-    if sample.image_count != len(images):
-        raise BadRow(f"{sample.image_count} image placeholders, {len(images)} images")
-    return sample
-
-
-def _raylora(rec: dict, resolve) -> Sample:
+def _raylora(rec: dict, layout: Layout, resolve: Resolve) -> Sample:
     if rec.get("prompt") is None:
         raise BadRow("missing prompt")
     has_image = rec.get("image") is not None  # no image at all: a text-only sample
-    images = [_image_entry(rec["image"], resolve)] if has_image else []
-    user = [IMAGE, _text(rec["prompt"])] if has_image else [_text(rec["prompt"])]
+    images = [entry(rec["image"], resolve)] if has_image else []
+    user = [media("image"), text(rec["prompt"])] if has_image else [text(rec["prompt"])]
     answer = rec.get("answer") or ""
-    return _checked(
-        [{"role": "user", "content": user}, {"role": "assistant", "content": [_text(answer)]}], images
+    return checked(
+        [{"role": "user", "content": user}, {"role": "assistant", "content": [text(answer)]}], images
     )
 
 
-def _chat(rec: dict, resolve) -> Sample:
-    messages, inline = [], []
-    for turn in _turns(rec.get("messages"), "messages"):
-        role, content = turn.get("role"), turn.get("content")
-        if role not in CHAT_ROLES:
-            raise BadRow(f"unknown role {role!r} (system, user, assistant)")
-        if isinstance(content, str):
-            parts = [_text(content)]
-        elif isinstance(content, list):
-            parts = []
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind == "text":
-                    parts.append(_text(part.get("text") or ""))
-                elif kind == "image":  # HF style may carry the image in the part itself
-                    parts.append(IMAGE)
-                    inline.append(part.get("image") or part.get("path") or part.get("url"))
-                else:
-                    raise BadRow(f"unknown content part {part!r:.60} (type image or text)")
-        else:
-            raise BadRow(f"a {role} turn without content")
-        messages.append({"role": role, "content": parts})
-    images = rec.get("images")
-    images = [i for i in inline if i is not None] if images is None else images
-    return _checked(messages, [_image_entry(v, resolve) for v in images])
-
-
-def _llava(rec: dict, resolve) -> Sample:
-    messages = []
-    for turn in _turns(rec.get("conversations"), "conversations"):
-        role, value = LLAVA_ROLES.get(turn.get("from")), turn.get("value")
-        if role is None:
-            raise BadRow(f"unknown speaker {turn.get('from')!r} (human, gpt, system)")
-        if not isinstance(value, str):
-            raise BadRow(f"a {turn.get('from')} turn without a string value")
-        pieces = PLACEHOLDER.split(value)
-        parts = [_text(pieces[0])] if pieces[0] else []
-        for piece in pieces[1:]:
-            parts += [IMAGE, _text(piece)] if piece else [IMAGE]
-        messages.append({"role": role, "content": parts})
-    image = rec.get("image")
-    paths = [] if image is None else [image] if isinstance(image, str) else list(image)
-    return _checked(messages, [_image_entry(p, resolve) for p in paths])
-
-
-def _turns(value, field: str) -> list[dict]:
-    if not isinstance(value, list) or not value or not all(isinstance(t, dict) for t in value):
-        raise BadRow(f"{field} is not a non-empty list of turns")
-    return value
-
-
-SAMPLES = {"raylora": _raylora, "chat": _chat, "llava": _llava}
+LAYOUTS = {
+    "raylora": lambda names: Layout("raylora", {n: n for n in FIELDS["raylora"]}),
+    "chat": formats_turns.chat_layout,
+    "llava": formats_turns.llava_layout,
+    "alpaca": formats_alpaca.alpaca_layout,
+    "query_response": formats_alpaca.query_response_layout,
+}
+READERS = {
+    "raylora": _raylora,
+    "chat": formats_turns.read,
+    "llava": formats_turns.read,
+    "alpaca": formats_alpaca.read,
+    "query_response": formats_alpaca.read,
+}

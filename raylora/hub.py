@@ -23,10 +23,13 @@ from raylora.config import ConfigError
 
 log = logging.getLogger("raylora")
 
-# What the driver's checks read (config.json for the architecture and the meta-device model; processor
-# and tokenizer configs for any check that needs them), never the weights: the driver of a cluster
-# usually runs on a head node that does not train, and a 7B model's weights are 15 GB.
-CONFIG_FILES = ["*.json"]
+# What the driver's checks read (config.json for the architecture and the meta-device model; the
+# processor, tokenizer and chat template, which the preflight loads and renders a sample of the data
+# with), never the weights: the driver of a cluster usually runs on a head node that does not train, and
+# a 7B model's weights are 15 GB. Tokenizers come as tokenizer.json, as vocab.json + merges.txt (byte-level
+# BPE), as a SentencePiece `*.model` or a tiktoken file; templates as JSON or `chat_template.jinja`; a
+# model's own modeling and processing code (`*.py`, model.trust_remote_code), which its config needs.
+CONFIG_FILES = ["*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py"]
 
 _resolved: dict[tuple[str, str | None, bool], str] = {}
 

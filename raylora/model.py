@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import peft
 import torch
-from transformers import AutoModelForImageTextToText
 from transformers.integrations import HfDeepSpeedConfig
 
 from raylora import hub
-from raylora.arch import Architecture, lora_target_regex
+from raylora.arch import Architecture, auto_model_class, lora_target_regex, remote_code
 from raylora.checkpoint import is_adapter
 from raylora.config import Config, ConfigError
 from raylora.zero import full_shape
@@ -26,8 +25,11 @@ def build_model(cfg: Config, arch: Architecture, ds_config: dict) -> tuple[peft.
     zero3 = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained: it is how transformers sees ZeRO-3
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     model_dir = hub.resolve(cfg.model.path, cfg.model.revision)
-    model = AutoModelForImageTextToText.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=cfg.model.attn_implementation
+    model = auto_model_class(remote_code(model_dir)).from_pretrained(
+        model_dir,
+        dtype=dtype,
+        attn_implementation=cfg.model.attn_implementation,
+        trust_remote_code=cfg.model.trust_remote_code,
     )
     prepare_for_training(model, cfg)
     return add_lora(model, cfg, arch), zero3
@@ -139,7 +141,8 @@ def mark_trained(model: torch.nn.Module, arch: Architecture, cfg: Config) -> dic
 def meta_model(cfg: Config, arch: Architecture, model_config) -> peft.PeftModel:
     """The run's model with LoRA, on the meta device: structure and shapes only, no weights, no memory."""
     with torch.device("meta"):
-        model = AutoModelForImageTextToText.from_config(model_config)
+        auto_map = getattr(model_config, "auto_map", None) or {}
+        model = auto_model_class(auto_map).from_config(model_config, trust_remote_code=bool(auto_map))
         return add_lora(model, cfg, arch)
 
 

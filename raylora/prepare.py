@@ -170,6 +170,25 @@ def format_report(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# Exit codes of `raylora prepare-data` beside 0 (and 2, a ConfigError before Ray starts).
+NO_GOOD_ROWS, TOO_MANY_BAD_ROWS = 1, 3
+
+
+def verdict(summary: dict[str, Any], max_bad_fraction: float) -> tuple[int, str | None]:
+    """The exit code of a finished pass and why it is not 0: no good row at all (1), or more than
+    `max_bad_fraction` of the rows bad (3). `bad_rows.jsonl` is written either way, to say why."""
+    rows, bad = summary["rows"], summary["bad_rows"]
+    reasons = posixpath.join(summary["out"], BAD_ROWS)
+    if bad == rows:
+        return NO_GOOD_ROWS, f"no row of {summary['source']} is good ({rows} bad; why in {reasons})"
+    if bad > max_bad_fraction * rows:
+        return TOO_MANY_BAD_ROWS, (
+            f"{bad} of {rows} rows of {summary['source']} are bad, more than --max-bad-fraction "
+            f"({max_bad_fraction}); why in {reasons}"
+        )
+    return 0, None
+
+
 # ------------------------------------------------------------------------------------- in the tasks
 
 
@@ -210,6 +229,8 @@ def check_rows(
 ) -> pa.Table:
     """One Ray Data task: the good rows of `batch["id"]` in the training layout; bad rows and every good
     row's sizes go to `ledger`."""
+    from jinja2 import TemplateError
+
     from raylora.formats import BadRow, load_image
 
     rows = _open(uri, fmt, image_root)
@@ -221,14 +242,20 @@ def check_rows(
         try:
             sample = rows.sample(row)
             images = [load_image(entry) for entry in sample.images]
+            tokens = _tokens(processor, sample.messages, images) if processor is not None else None
         except BadRow as err:
             bad.append((row, err.reason))
+            continue
+        except (ValueError, TemplateError) as err:  # the processor rejects it: a bad row in training too
+            bad.append(
+                (row, f"the processor rejects it ({type(err).__name__}: {' '.join(str(err).split())})")
+            )
             continue
         sizes["width"] += [im.width for im in images]
         sizes["height"] += [im.height for im in images]
         sizes["images_per_row"].append(len(images))
-        if processor is not None:
-            sizes["tokens"].append(_tokens(processor, sample.messages, images))
+        if tokens is not None:
+            sizes["tokens"].append(tokens)
         messages = [
             {"role": t["role"], "content": [{"type": p["type"], "text": p.get("text")} for p in t["content"]]}
             for t in sample.messages

@@ -1,12 +1,22 @@
 """Loading a model folder's processor: image size caps (`cap_image_size`: data.max_pixels,
-data.min_pixels), and an image-only fallback for machines without torchvision.
+data.min_pixels), folders laid out as the Hub lays them out, and an image-only fallback for machines
+without torchvision.
 
-In transformers 5 the Qwen2-VL family's processors require a video processor, and video processors
-require torchvision. raylora trains on images only, so where torchvision is missing (CPU machines with
-the CPU torch wheel, where PyPI's torchvision does not import) it builds the same processor class
-without its video part. Pixtral's processor (Mistral3) needs torchvision only for one import, which
-`pixtral_processor_class` answers from transformers' PIL image processor. The folder on disk stays a
-standard one that `AutoProcessor` loads elsewhere.
+The processor class is found where transformers 5.23's `AutoProcessor` looks for it
+(`processor_class_name`): the Hub's Qwen2-VL and Qwen2.5-VL folders have no `processor_config.json` and
+name it in `preprocessor_config.json`. In transformers 5 the Qwen2-VL family's processors require a
+video processor, and video processors require torchvision. raylora trains on images only, so where
+torchvision is missing it builds the same processor class without its video part; a
+`video_preprocessor_config.json` in the folder is then left unread. Pixtral's processor (Mistral3) needs
+torchvision only for one import, which `pixtral_processor_class` answers from transformers' PIL image
+processor. The folder on disk stays a standard one that `AutoProcessor` loads elsewhere.
+
+Why not depend on torchvision: the only builds the package index offers (0.28.0 for torch==2.13.0, no
+`+cpu` build) are CUDA builds (a 7.7 MB wheel bundling libcudart.so.13 and libnvjpeg.so.13) whose
+`_C.so` links against `libtorch_cuda.so` and `libc10_cuda.so`. Beside the CPU torch wheel pip installs it
+without complaint (2.13.0+cpu satisfies torch==2.13.0), then `import torchvision` raises "operator
+torchvision::nms does not exist", and transformers, which sees the package installed, fails to import
+`AutoProcessor` at all. GPU nodes with CUDA torch get a working torchvision and the full processor.
 """
 
 from __future__ import annotations
@@ -21,6 +31,9 @@ from pathlib import Path
 
 import transformers
 from transformers.image_utils import SizeDict
+from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
+from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+from transformers.utils import is_torchvision_available
 
 from raylora.config import ConfigError
 
@@ -69,10 +82,16 @@ def pixtral_processor_class() -> type:
 TORCHVISION_FREE = {"PixtralProcessor": pixtral_processor_class}
 
 
-def load_processor(model_path: str | Path, max_pixels: int | None = None, min_pixels: int | None = None):
+def load_processor(
+    model_path: str | Path,
+    max_pixels: int | None = None,
+    min_pixels: int | None = None,
+    trust_remote_code: bool = False,
+):
     """The model folder's processor, with images capped at `max_pixels` / `min_pixels` (data.max_pixels,
-    data.min_pixels) where the architecture's image processor has a resolution knob (`cap_image_size`)."""
-    processor = _from_pretrained(model_path)
+    data.min_pixels) where the architecture's image processor has a resolution knob (`cap_image_size`).
+    `trust_remote_code` (model.trust_remote_code): a processor the folder's own code defines (`auto_map`)."""
+    processor = _from_pretrained(model_path, trust_remote_code)
     cap_image_size(processor.image_processor, max_pixels, min_pixels)
     return processor
 
@@ -136,22 +155,99 @@ def _fixed_size(image_processor) -> str:
     return fixed
 
 
-def _from_pretrained(model_path: str | Path):
-    """`AutoProcessor.from_pretrained(model_path)`; where torchvision is missing, the same class loaded
-    without it (`TORCHVISION_FREE`) or in its image-only form (processors with a video part)."""
-    try:
-        return transformers.AutoProcessor.from_pretrained(model_path)
-    except (AttributeError, ImportError, OSError, ValueError, TypeError) as err:
-        config_file = Path(model_path) / "processor_config.json"
-        if not config_file.exists():
-            raise
-        class_name = json.loads(config_file.read_text()).get("processor_class", "")
-        if class_name in TORCHVISION_FREE:
-            return TORCHVISION_FREE[class_name]().from_pretrained(model_path)
-        cls = getattr(transformers, class_name, None)
-        if cls is None or "video_processor" not in cls.get_attributes():
-            raise
-        try:
-            return image_only_processor_class(cls).from_pretrained(model_path)
-        except Exception:
-            raise err from None
+# Where a folder names its processor class, in the order transformers 5.23's AutoProcessor reads them
+# (models/auto/processing_auto.py); config.json last, by its own `processor_class` or its model type.
+PROCESSOR_CLASS_FILES = (
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",  # read only where there is no preprocessor_config.json
+    "tokenizer_config.json",
+    "config.json",
+)
+
+
+def processor_class_name(model_path: str | Path) -> str | None:
+    """The name of the processor class the model folder asks for, found as `AutoProcessor` finds it."""
+    folder = Path(model_path)
+    configs = {
+        name: json.loads((folder / name).read_text())
+        for name in PROCESSOR_CLASS_FILES
+        if (folder / name).exists()
+    }
+    if "preprocessor_config.json" in configs:
+        configs.pop("video_preprocessor_config.json", None)
+    for config in configs.values():  # in PROCESSOR_CLASS_FILES order
+        if config.get("processor_class"):
+            return config["processor_class"]
+    return PROCESSOR_MAPPING_NAMES.get(configs.get("config.json", {}).get("model_type"))
+
+
+def _from_pretrained(model_path: str | Path, trust_remote_code: bool = False):
+    """The folder's processor: `AutoProcessor.from_pretrained(model_path)` where torchvision is installed,
+    else the same class loaded without it (`TORCHVISION_FREE`) or in its image-only form (processors with
+    a video part). Reads only the config, tokenizer and processor files, so it serves the driver's checks
+    on a folder without weights."""
+    folder = Path(model_path)
+    if _sentencepiece_only(folder) and importlib.util.find_spec("sentencepiece") is None:
+        # transformers would fall through to its tiktoken reader and ask for tiktoken instead
+        raise ConfigError(
+            f"{folder / 'tokenizer.model'}: the folder's only tokenizer is this SentencePiece model, and "
+            "reading it needs the sentencepiece package: pip install sentencepiece"
+        )
+    name = processor_class_name(folder)
+    if trust_remote_code and _remote_processor(folder):
+        processor = transformers.AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    elif is_torchvision_available() or name is None:
+        processor = transformers.AutoProcessor.from_pretrained(model_path)
+    elif name in TORCHVISION_FREE:
+        processor = TORCHVISION_FREE[name]().from_pretrained(model_path)
+    elif _has_video_part(cls := processor_class_from_name(name)):
+        processor = image_only_processor_class(cls).from_pretrained(model_path)
+    else:
+        processor = transformers.AutoProcessor.from_pretrained(model_path)
+    _complete_from_tokenizer_files(processor, folder)
+    return processor
+
+
+def _remote_processor(folder: Path) -> bool:
+    """Whether the folder's processor files name classes of its own code (`auto_map`: Phi-3-vision's)."""
+    for name in PROCESSOR_CLASS_FILES[:3]:
+        if (folder / name).exists() and "auto_map" in json.loads((folder / name).read_text()):
+            return True
+    return False
+
+
+def _sentencepiece_only(folder: Path) -> bool:
+    return (folder / "tokenizer.model").exists() and not (folder / "tokenizer.json").exists()
+
+
+def _has_video_part(cls) -> bool:
+    # a class whose module needs a missing package comes back as a placeholder, not a ProcessorMixin
+    return (
+        isinstance(cls, type)
+        and issubclass(cls, transformers.ProcessorMixin)
+        and "video_processor" in cls.get_attributes()
+    )
+
+
+def _complete_from_tokenizer_files(processor, folder: Path) -> None:
+    """Two things transformers 5.23's processors miss in Hub folders, taken from the tokenizer's files.
+
+    - A chat template kept only in `tokenizer_config.json` (no chat_template.json / .jinja) reaches the
+      tokenizer but not the processor, whose `apply_chat_template` then refuses to run.
+    - A folder whose tokenizer is only a SentencePiece `tokenizer.model` (llava-1.5 style, no
+      tokenizer.json) is converted by the generic `TokenizersBackend` for llava models (transformers lists
+      llava's Hub tokenizer class as unreliable), and that conversion drops SentencePiece's dummy prefix:
+      'hello' becomes ['he', 'llo'] where SentencePiece and the Hub's tokenizer.json give ['▁hello']. The
+      class that `tokenizer_config.json` names (LlamaTokenizer) converts it as SentencePiece tokenises.
+    """
+    tokenizer = processor.tokenizer
+    if processor.chat_template is None and tokenizer.chat_template is not None:
+        processor.chat_template = tokenizer.chat_template
+    if not _sentencepiece_only(folder):
+        return
+    config_file = folder / "tokenizer_config.json"
+    named = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.exists() else None
+    cls = tokenizer_class_from_name(named) if named else None
+    if cls is not None and not isinstance(tokenizer, cls):
+        processor.tokenizer = cls.from_pretrained(folder)

@@ -52,6 +52,15 @@ def read_metrics(storage_path: str, name: str) -> list[dict]:
         return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
 
 
+def bad_rows_before(storage_path: str, name: str, step: int) -> int:
+    """Bad rows of a run's steps 1..`step`, as its metrics log has them: where a resumed run's count of
+    bad rows so far starts. A step redone after a restart counts once (its latest row)."""
+    per_step = {
+        r["step"]: r.get("bad_rows", 0) for r in read_metrics(storage_path, name) if r["step"] <= step
+    }
+    return int(sum(per_step.values()))
+
+
 class MetricsLog(UserCallback):
     """Collects rank 0's metrics from every report and rewrites the log at checkpoints and at the end."""
 

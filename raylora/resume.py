@@ -319,11 +319,12 @@ def expected_trainable(cfg: Config) -> dict[str, list[int]]:
     """Trainable names and shapes this config gives, from the model's config on the meta device."""
     from transformers import AutoConfig
 
-    from raylora.arch import detect
+    from raylora.arch import for_model
     from raylora.model import trainable_shapes
 
     model_dir = hub.resolve(cfg.model.path, cfg.model.revision, config_only=True)
-    return trainable_shapes(cfg, detect(model_dir, cfg.model.arch), AutoConfig.from_pretrained(model_dir))
+    model_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    return trainable_shapes(cfg, for_model(model_dir, cfg.model), model_config)
 
 
 def check_resume(cfg: Config) -> checkpoint.TrainState | None:
@@ -343,10 +344,10 @@ def check_resume(cfg: Config) -> checkpoint.TrainState | None:
             f"or use another run.name to start over"
         )
     arch = state.arch
-    from raylora.arch import detect
+    from raylora.arch import for_model
 
     model_dir = hub.resolve(cfg.model.path, cfg.model.revision, config_only=True)
-    here = detect(model_dir, cfg.model.arch).model_type
+    here = for_model(model_dir, cfg.model).model_type
     if arch and arch != here:
         raise ConfigError(
             f"run {cfg.run.name} resumes from {folder}, made for architecture {arch}; "

@@ -10,11 +10,17 @@ from __future__ import annotations
 DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 
 # Chat templates modelled on the real models' ones, so the tiny models are prompted the same way.
+# llava-hf/llava-1.5-*-hf's own: images first, each text plus a space, and no </s> after an answer (raylora
+# adds and trains the EOS there: raylora.data.encode).
 LLAVA_CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] == 'user' %}USER: "
-    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<image>\n{% else %}{{ c['text'] }}"
-    "{% endif %}{% endfor %} {% else %}ASSISTANT: {% for c in message['content'] %}{{ c['text'] }}"
-    "{% endfor %}</s>{% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
+    "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\\n' }}{% endfor %}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 QWEN2_VL_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
 from raylora import checkpoint, console, failures, hub, resume, zero
-from raylora.arch import Architecture, detect
+from raylora.arch import Architecture, for_model
 from raylora.config import Config
 from raylora.data import (
     Decoded,
@@ -41,7 +41,7 @@ from raylora.loss import answer_token_losses, predicts_answer
 from raylora.model import build_model, mark_trained, shapes
 from raylora.pipeline import step_inputs
 from raylora.processor import load_processor
-from raylora.progress import count_attempt
+from raylora.progress import bad_rows_before, count_attempt
 from raylora.redact import redact
 from raylora.reporting import Reporter
 from raylora.resume import base_model_fingerprint
@@ -84,7 +84,7 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | Non
     rank, world = dist.get_rank(), dist.get_world_size()
     started = [count_attempt(cfg.run.storage_path, cfg.run.name) if rank == 0 else 0]
     dist.broadcast_object_list(started, src=0)
-    arch = detect(hub.resolve(cfg.model.path, cfg.model.revision), cfg.model.arch)
+    arch = for_model(hub.resolve(cfg.model.path, cfg.model.revision), cfg.model)
     ds_config = zero.deepspeed_config(cfg, world)
     model, zero3 = build_model(cfg, arch, ds_config)
     params = mark_trained(model, arch, cfg)  # PEFT froze the vision tower and aligner: re-enable them
@@ -110,7 +110,10 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | Non
     d = cfg.data
     data = open_rows(d.train, d.format, d.image_root)
     processor = load_processor(
-        hub.resolve(cfg.model.path, cfg.model.revision), cfg.data.max_pixels, cfg.data.min_pixels
+        hub.resolve(cfg.model.path, cfg.model.revision),
+        cfg.data.max_pixels,
+        cfg.data.min_pixels,
+        cfg.model.trust_remote_code,
     )
     check_chat_template(processor)  # a template whose turns cannot be labelled fails the start, not a step
     if cfg.data.max_length is not None:
@@ -157,8 +160,10 @@ def train_step(s: Setup) -> dict[str, float]:
     # tokens, which only the built batches know (multi-turn, skipped and bad samples, rows read lazily).
     counts = torch.tensor([built.tokens, built.too_long, built.bad_rows], dtype=torch.float64, device=device)
     dist.all_reduce(counts)
-    # At least 1: a step whose every sample is skipped has no answer tokens, and a loss of 0.
-    global_tokens = max(1, int(counts[0].item()))
+    global_tokens = int(counts[0].item())
+    # Every sample skipped: the counts are global, so every rank raises here, before the step's passes.
+    if global_tokens == 0:
+        raise failures.PermanentError(nothing_to_train(s, step, built, counts))
     # The loss is a mean over the global batch's answer tokens. DeepSpeed divides by the accumulation
     # steps and averages over ranks, so scale each micro batch's token sum to undo both: the gradient
     # then does not depend on how the batch is split over workers.
@@ -187,9 +192,29 @@ def train_step(s: Setup) -> dict[str, float]:
         "epoch": s.sampler.epoch(step),
         "restarts": s.restarts,
         "world_size": s.world_size,  # changes within a run when an elastic [min, max] group is resized
-        "bad_rows": int(counts[2].item()),  # rows of this step that do not read or decode, skipped
+        "bad_rows": int(counts[2].item()),  # rows of this step that do not read, decode or encode, skipped
         "too_long": int(counts[1].item()),  # samples of this step longer than data.max_length, skipped
     }
+
+
+def nothing_to_train(s: Setup, step: int, built: StepBatches, counts: torch.Tensor) -> str:
+    """Why step `step` has no answer token in its whole global batch, with the bad rows of every rank.
+
+    A run that trained on such steps would report a loss of 0.0 and leave a checkpoint that looks like a
+    trained one: it ends instead, once (every attempt would meet the same rows). Every rank calls this at
+    the same step (the counts are global), so the gather of the reasons is a collective they all join.
+    """
+    reasons: list[list[tuple[int, str]]] = [[] for _ in range(s.world_size)]
+    dist.all_gather_object(reasons, built.reasons)
+    bad = sorted(r for rank in reasons for r in rank)
+    examples = f" ({'; '.join(f'row {row}: {reason}' for row, reason in bad[:3])})" if bad else ""
+    max_length = s.cfg.data.max_length
+    too_long = f", {int(counts[1].item())} longer than data.max_length ({max_length})" if max_length else ""
+    return (
+        f"step {step + 1}: every sample of the global batch ({s.cfg.train.global_batch_size}) was skipped, "
+        f"so there is nothing to train on: {int(counts[2].item())} bad row(s) of data.train{examples}"
+        f"{too_long}. The run stops rather than train on nothing and report a loss of 0"
+    )
 
 
 @dataclass
@@ -199,7 +224,8 @@ class StepBatches:
     batches: list[dict]
     tokens: int  # answer tokens the loss covers
     too_long: int  # samples longer than data.max_length, replaced by the stand-in
-    bad_rows: int  # rows that do not read or decode, replaced by the stand-in
+    bad_rows: int  # rows that do not read or decode, or that the processor rejects: replaced by the stand-in
+    reasons: list[tuple[int, str]]  # (row, why) of each bad row
 
 
 def step_batches(s: Setup, step: int) -> StepBatches:
@@ -209,28 +235,41 @@ def step_batches(s: Setup, step: int) -> StepBatches:
     What a slot holds depends on its row alone (too long, bad), so every rank and a resumed run skip
     the same; an empty slot of the global sampler (`None`) becomes the stand-in as well.
     """
-    built = StepBatches([], 0, 0, 0)
+    built = StepBatches([], 0, 0, 0, [])
     for micro in s.sampler.micro_batches(step, s.rank, s.world_size, s.cfg.train.micro_batch_size):
-        samples = [None if i is None else _read(s, i) for i in micro]
-        built.bad_rows += sum(sample is None for sample in samples) - micro.count(None)
-        batch, too_long = limit_length(s.processor, samples, s.cfg.data.max_length)
+        samples = [None if i is None else _read(s, i, built.reasons) for i in micro]
+        rejected: dict[int, str] = {}  # positions whose sample the processor rejects: bad rows as well
+        batch, too_long = limit_length(s.processor, samples, s.cfg.data.max_length, rejected=rejected)
+        for pos, reason in rejected.items():
+            _bad_row(s, micro[pos], reason, built.reasons)
         built.batches.append(batch)
         built.tokens += int(predicts_answer(batch["labels"]).sum())
         built.too_long += len(too_long)
+    built.bad_rows = len(built.reasons)
     return built
 
 
-def _read(s: Setup, i: int) -> Decoded | None:
-    """Row `i` decoded, or None (its slot gets the stand-in) for a bad row under data.on_bad_row: skip."""
+def _read(s: Setup, i: int, bad: list[tuple[int, str]] | None = None) -> Decoded | None:
+    """Row `i` decoded, or None (its slot gets the stand-in) for a bad row under data.on_bad_row: skip,
+    which goes into `bad` with its reason."""
     try:
         return read(s.data, i)
     except BadRow as err:
-        where = f"data.train {s.data.uri}: row {i}: {err.reason}"
-        if s.cfg.data.on_bad_row == "error":
-            # the same row fails every attempt: end the run once rather than retry it
-            raise failures.PermanentError(f"{where} (data.on_bad_row: error)") from err
-        log.warning("%s; skipped", where)
+        _bad_row(s, i, err.reason, bad, cause=err)
         return None
+
+
+def _bad_row(
+    s: Setup, i: int, reason: str, bad: list[tuple[int, str]] | None, cause: Exception | None = None
+) -> None:
+    """Row `i` is bad: a warning and an entry in `bad` (data.on_bad_row: skip), or `PermanentError`."""
+    where = f"data.train {s.data.uri}: row {i}: {reason}"
+    if s.cfg.data.on_bad_row == "error":
+        # the same row fails every attempt: end the run once rather than retry it
+        raise failures.PermanentError(f"{where} (data.on_bad_row: error)") from cause
+    log.warning("%s; skipped", where)
+    if bad is not None:
+        bad.append((i, reason))
 
 
 def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
@@ -303,11 +342,15 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
     )
     history, started = [], time.perf_counter()
     first_step = s.step
+    # bad rows of the run so far: the steps before a restore as the metrics log has them
+    bad_so_far = bad_rows_before(cfg.run.storage_path, cfg.run.name, s.step) if s.resumed else 0
     reporter = Reporter(cfg.run.report_every_s, s.engine.device, s.step)
     preempting: ray.train.PreemptionInfo | None = None
     while s.step < cfg.train.max_steps:
         maybe_kill(cfg, s.step, s.rank)
         metrics = train_step(s)
+        bad_so_far += metrics["bad_rows"]
+        metrics["bad_rows_so_far"] = bad_so_far
         done = s.step == cfg.train.max_steps
         if cfg.train.eval_every and (done or s.step % cfg.train.eval_every == 0):
             metrics.update(
@@ -317,10 +360,11 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
             )
             if s.rank == 0:
                 log.info(
-                    "step %d eval accuracy %.3f loss %.4f",
+                    "step %d eval accuracy %.3f loss %.4f stopped %.3f",
                     s.step,
                     metrics["eval_accuracy"],
                     metrics["eval_loss"],
+                    metrics["eval_stopped"],
                 )
         history.append(metrics)
         # Asked at the steps that report anyway, not at every step: each ask is a barrier through Ray's
@@ -350,13 +394,14 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
         if s.rank == 0 and (done or s.step % max(1, cfg.train.max_steps // 20) == 0):
             rate = (s.step - first_step) / (time.perf_counter() - started)
             log.info(
-                "step %d/%d loss %.4f lr %.2e %.1f samples/s %.0f tokens/s eta %.0fs",
+                "step %d/%d loss %.4f lr %.2e %.1f samples/s %.0f tokens/s bad rows %d eta %.0fs",
                 s.step,
                 cfg.train.max_steps,
                 metrics["loss"],
                 metrics["lr"],
                 metrics["samples_per_s"],
                 metrics["tokens_per_s"],
+                bad_so_far,
                 (cfg.train.max_steps - s.step) / max(rate, 1e-9),
             )
     return history

@@ -7,7 +7,9 @@ part of raylora's training path.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import struct
 import sys
 from collections.abc import Callable
@@ -259,3 +261,44 @@ def final_checkpoint(result):
 
     with result.checkpoint.as_directory() as folder:
         return checkpoint.load(folder)
+
+
+REMOTE_MODELING = '''"""A vision-language model that brings its own code, as Phi-3-vision's Hub folder
+does (auto_map in config.json): loaded only through transformers' remote-code path. Its model type is
+one that neither transformers nor raylora knows; the classes are Llava's under other names."""
+
+from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+
+class RemoteVlmConfig(LlavaConfig):
+    model_type = "raylora_remote_vlm"
+
+
+class RemoteVlmForConditionalGeneration(LlavaForConditionalGeneration):
+    config_class = RemoteVlmConfig
+'''
+# What a run on REMOTE_MODELING names, since raylora's registry has no entry for its model type.
+REMOTE_PARTS = (
+    "model.trust_remote_code=true",
+    "model.language_model=model.language_model",
+    "model.vision_tower=model.vision_tower",
+    "model.aligner=model.multi_modal_projector",
+)
+
+
+def make_remote_code_model(llava_dir: str | Path, out: Path) -> Path:
+    """A copy of a tiny Llava folder (same weights) that carries its own modeling file, as a Hub folder
+    with remote code does: `modeling_remote_vlm.py` and config.json's `auto_map` naming its classes."""
+    shutil.copytree(llava_dir, out)
+    (out / "modeling_remote_vlm.py").write_text(REMOTE_MODELING)
+    config = json.loads((out / "config.json").read_text())
+    config.update(
+        model_type="raylora_remote_vlm",
+        architectures=["RemoteVlmForConditionalGeneration"],
+        auto_map={
+            "AutoConfig": "modeling_remote_vlm.RemoteVlmConfig",
+            "AutoModelForImageTextToText": "modeling_remote_vlm.RemoteVlmForConditionalGeneration",
+        },
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -135,3 +135,10 @@ def test_make_trainer_leaves_the_config_as_it_is(tmp_path, monkeypatch):
         before = c.to_dict()
         make_trainer(c)
         assert c.to_dict() == before
+
+
+def test_data_formats_named_in_config_are_the_readers():
+    from raylora import formats
+    from raylora.config import DATA_FORMATS
+
+    assert set(DATA_FORMATS) == set(formats.FORMATS) | set(formats.ALIASES)

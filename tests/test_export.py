@@ -19,7 +19,7 @@ from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint, cli, config
 from raylora.arch import detect
-from raylora.data import make_batch, read
+from raylora.data import end_of_turn_ids, make_batch, read
 from raylora.evaluate import load_for_inference
 from raylora.formats import open_rows
 from raylora.model import build_model, set_trainable, shapes, trainable_parameters
@@ -94,6 +94,10 @@ def test_merged_export_equals_base_plus_adapter(trained, batch_examples, tmp_pat
 
     merged = AutoModelForImageTextToText.from_pretrained(out).eval()
     assert not any(".lora_" in n for n in merged.state_dict())
+    # generation stops where training labelled the stop (not only at the base config's EOS)
+    stop = end_of_turn_ids(load_processor(out))
+    eos = merged.generation_config.eos_token_id
+    assert set(stop) <= set(eos if isinstance(eos, list) else [eos])
     trained_modules = load_file(ckpt / checkpoint.TRAINED_MODULES)
     assert trained_modules, "the checkpoint should train the vision tower and aligner"
     state = merged.state_dict()

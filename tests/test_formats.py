@@ -6,6 +6,7 @@ format, killed and resumed, and compares the final weights with one uninterrupte
 
 from __future__ import annotations
 
+import base64
 import json
 import pickle
 import subprocess
@@ -68,8 +69,59 @@ def write_sources(train_parquet: str | Path, out: Path, rows: int = ROWS) -> dic
     (out / "llava").mkdir()
     (out / "llava" / "data.json").write_text(json.dumps(llava, indent=1))
     # as `datasets` writes images: a list of {bytes, path} structs (its Image feature)
-    saved = datasets.Dataset.from_dict({"messages": messages, "images": [[i] for i in images]})
+    # and with LLaMA-Factory's layout, as its Hub data sets hold it: string content with <image> tags
+    tags = [
+        [{"role": "user", "content": f"<image>{p}"}, {"role": "assistant", "content": a}]
+        for p, a in zip(prompts, answers, strict=True)
+    ]
+    saved = datasets.Dataset.from_dict({"messages": tags, "images": [[i] for i in images]})
     saved.cast_column("images", datasets.Sequence(datasets.Image())).save_to_disk(str(out / "saved"))
+    # the peers' layouts (tests/test_peer_formats.py has their documented rows): the question with an
+    # <image> tag in string content, the images in a list beside it
+    tagged, listed = [f"<image>{p}" for p in prompts], [[f"images/{i}.png"] for i in range(rows)]
+    swift = [
+        {"query": q, "response": a, "images": im} for q, a, im in zip(tagged, answers, listed, strict=True)
+    ]
+    mllm = [
+        {"messages": [{"content": q, "role": "user"}, {"content": a, "role": "assistant"}], "images": im}
+        for q, a, im in zip(tagged, answers, listed, strict=True)
+    ]
+    (out / "mllm_digits.json").write_text(json.dumps(mllm, indent=2))
+    info = {"columns": {"messages": "messages", "images": "images"}}
+    info["tags"] = {
+        "role_tag": "role",
+        "content_tag": "content",
+        "user_tag": "user",
+        "assistant_tag": "assistant",
+    }
+    (out / "dataset_info.json").write_text(
+        json.dumps({"digits": {"file_name": "mllm_digits.json", "formatting": "sharegpt", **info}})
+    )
+    sharegpt = [
+        {"conversations": [{"from": "user", "value": q}, {"from": "assistant", "value": a}], "images": im}
+        for q, a, im in zip(tagged, answers, listed, strict=True)
+    ]
+    alpaca = [
+        {"instruction": q, "input": "", "output": a, "images": im}
+        for q, a, im in zip(tagged, answers, listed, strict=True)
+    ]
+    openai = [
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64(image)}},
+                        {"type": "text", "text": p},
+                    ],
+                },
+                {"role": "assistant", "content": a},
+            ]
+        }
+        for image, p, a in zip(images, prompts, answers, strict=True)
+    ]
+    for name, records in [("sharegpt", sharegpt), ("alpaca", alpaca), ("openai", openai), ("swift", swift)]:
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return {
         "raylora": {"uri": out / "raylora.parquet", "format": "raylora", "overrides": []},
         "chat_parquet": {"uri": out / "chat.parquet", "format": "chat", "overrides": []},
@@ -81,7 +133,16 @@ def write_sources(train_parquet: str | Path, out: Path, rows: int = ROWS) -> dic
             "overrides": [f"data.image_root={folder}"],
         },
         "save_to_disk": {"uri": out / "saved", "format": "chat", "overrides": []},
+        "llamafactory": {"uri": f"{out / 'dataset_info.json'}#digits", "format": "chat", "overrides": []},
+        "sharegpt": {"uri": out / "sharegpt.jsonl", "format": "llava", "overrides": []},
+        "alpaca": {"uri": out / "alpaca.jsonl", "format": "alpaca", "overrides": []},
+        "openai": {"uri": out / "openai.jsonl", "format": "chat", "overrides": []},
+        "swift": {"uri": out / "swift.jsonl", "format": "query_response", "overrides": []},
     }
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +285,7 @@ def test_chat_forms_and_text_only_rows(tmp_path):
             "1 image",
         ),
         ([{"role": "bot", "content": "Hi"}], [], "unknown role 'bot'"),
-        ([{"role": "user", "content": [{"type": "video"}]}], [], "unknown content part"),
+        ([{"role": "user", "content": [{"type": "input_audio"}]}], [], "unknown content part"),
         ("not a list", [], "messages is not"),
     ],
 )
@@ -267,7 +328,7 @@ def test_refusals_name_the_fields_found_and_the_formats_accepted(tmp_path, sourc
     ):
         check_source(str(sources["raylora"]["uri"]), "data.train", "llava")
     with pytest.raises(ConfigError, match="data.format must be one of raylora, chat, llava"):
-        check_source(str(sources["raylora"]["uri"]), "data.train", "alpaca")
+        check_source(str(sources["raylora"]["uri"]), "data.train", "csv")
     with pytest.raises(ConfigError, match="data.train: data file or folder not found"):
         check_source(str(tmp_path / "none.parquet"), "data.train")
     (tmp_path / "empty").mkdir()
@@ -299,7 +360,7 @@ def test_cli_refuses_an_unknown_format_with_exit_2(tmp_path, tiny_models):
     assert proc.returncode == 2, proc.stderr
     assert "its fields: pixels, caption" in proc.stderr and "Formats accepted: raylora" in proc.stderr
     assert "Traceback" not in proc.stderr
-    with pytest.raises(ConfigError, match="data.format must be raylora, chat or llava"):
+    with pytest.raises(ConfigError, match="data.format must be one of raylora, chat, llava"):
         config.load(None, ["model.path=m", "data.train=t.parquet", "data.format=csv"])
 
 
@@ -324,10 +385,15 @@ def reference(ray_cluster, tiny_models, sources, tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-# chat JSONL is killed and resumed in tests/test_batches.py, with multi-turn, multi-image and text-only rows
-@pytest.mark.parametrize("name", ["chat_parquet", "llava", "save_to_disk"])
+# Chat JSONL is killed and resumed in tests/test_batches.py, with multi-turn, multi-image and text-only rows.
+# The others read the same samples (test_every_format_reads_the_same_samples); one run per reader family:
+# LLaMA-Factory's dataset_info.json (string content, <image> tags), sharegpt conversations (the llava
+# reader too), alpaca (ms-swift's query/response too), OpenAI-style data: URL parts, and a save_to_disk
+# folder in LLaMA-Factory's Hub layout.
+@pytest.mark.parametrize("name", ["llamafactory", "sharegpt", "alpaca", "openai", "save_to_disk"])
 def test_each_format_resumes_to_the_reference_weights(name, reference, sources, tiny_models):
     from raylora.driver import run
+    from raylora.progress import read_metrics
     from tests.support import tiny_run_config
 
     storage, expected = reference
@@ -335,9 +401,42 @@ def test_each_format_resumes_to_the_reference_weights(name, reference, sources, 
     overrides = [*STEPS, *source["overrides"], f"fault.kill_at_steps={KILL_AT}"]
     result = run(tiny_run_config(tiny_models("llava"), source["uri"], storage, f"killed-{name}", *overrides))
     assert result.error is None
+    logged = read_metrics(str(storage), f"killed-{name}")
+    assert {r["step"] for r in logged} >= {1, 2, 3, 4} and all(r["bad_rows"] == 0 for r in logged)
     got = _final(result)
     assert got.state.restarts == 1 and got.state.step == expected.state.step == 4
     assert got.state.data_rows == ROWS
     assert got.weights.keys() == expected.weights.keys()
     for key, value in expected.weights.items():
         assert torch.equal(value, got.weights[key]), f"{name}: {key} differs from the raylora Parquet run"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_remote_code_model_resumes_to_the_reference_weights_and_exports(
+    reference, sources, tiny_models, tmp_path
+):
+    """A model folder with its own modeling code (tests/test_remote_code.py; Llava's classes and weights
+    under another model type) trains through the remote-code path exactly as the reference run does."""
+    from transformers import AutoModelForImageTextToText
+
+    from raylora import cli
+    from raylora.driver import run
+    from tests.support import REMOTE_PARTS, make_remote_code_model, tiny_run_config
+
+    storage, expected = reference
+    model = make_remote_code_model(tiny_models("llava"), tmp_path / "remote")
+    overrides = [*STEPS, *REMOTE_PARTS, f"fault.kill_at_steps={KILL_AT}"]
+    result = run(tiny_run_config(model, sources["raylora"]["uri"], storage, "killed-remote", *overrides))
+    assert result.error is None
+    got = _final(result)
+    assert got.state.restarts == 1 and got.state.step == 4 and got.state.arch == "raylora_remote_vlm"
+    for key, value in expected.weights.items():
+        assert torch.equal(value, got.weights[key]), f"remote code: {key} differs from the Llava run"
+    out = tmp_path / "merged"
+    with result.checkpoint.as_directory() as folder:
+        assert cli.main(["export", folder, "--out", str(out), "--merge"]) == 0
+    assert (out / "modeling_remote_vlm.py").is_file()  # the merged folder carries the model's code too
+    merged = AutoModelForImageTextToText.from_pretrained(out, trust_remote_code=True)
+    assert type(merged).__name__ == "RemoteVlmForConditionalGeneration"
+    assert not any(".lora_" in n for n in merged.state_dict())

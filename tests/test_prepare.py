@@ -64,15 +64,22 @@ def llava_source(digits, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def prepared(llava_source, tiny_models, ray_cluster, tmp_path_factory):
-    """The prepared folder (tokens counted by the tiny Llava's processor) and what the command printed."""
+    """The prepared folder (tokens counted by the tiny Llava's processor) and what the command printed.
+
+    4 bad rows of 40 are more than the default --max-bad-fraction (0.01): the command writes everything
+    and exits 3, saying so."""
     source, folder, _ = llava_source
     out = tmp_path_factory.mktemp("prepared") / "out"
     model = tiny_models("llava")
     argv = ["prepare-data", str(source), "--out", str(out), "--image-root", str(folder), "--model", model]
-    with contextlib.redirect_stdout(io.StringIO()) as stdout:
+    with (
+        contextlib.redirect_stdout(io.StringIO()) as stdout,
+        contextlib.redirect_stderr(io.StringIO()) as err,
+    ):
         code = main(argv)
     printed = stdout.getvalue()
-    assert code == 0, printed
+    assert code == 3, printed + err.getvalue()
+    assert f"{len(BAD)} of {ROWS} rows" in err.getvalue() and "--max-bad-fraction (0.01)" in err.getvalue()
     return out, model, printed
 
 
@@ -167,3 +174,39 @@ def test_a_source_in_no_known_format_exits_2_before_ray(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "SOURCE" in proc.stderr and "question" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_exit_codes_say_when_too_many_or_all_rows_are_bad(llava_source, prepared, tmp_path, capsys):
+    """0 at or under --max-bad-fraction, 3 over it (the `prepared` run), 1 when no row is good; the bad rows
+    are written with their reasons in every case."""
+    from raylora.prepare import verdict
+
+    summary = json.loads((prepared[0] / "summary.json").read_text())
+    assert verdict(summary, 0.01)[0] == 3 and verdict(summary, len(BAD) / ROWS) == (0, None)
+    source, folder, _ = llava_source
+    ok = tmp_path / "ok"
+    argv = [
+        "prepare-data",
+        str(source),
+        "--out",
+        str(ok),
+        "--image-root",
+        str(folder),
+        "--max-bad-fraction",
+        "0.1",
+    ]
+    assert main(argv) == 0
+    # every row's image missing: nothing good, exit 1 after writing why
+    records = json.loads(source.read_text())
+    for record in records:
+        record["image"] = "nowhere.png"
+    all_bad = tmp_path / "all_bad.json"
+    all_bad.write_text(json.dumps(records))
+    out = tmp_path / "none"
+    capsys.readouterr()
+    assert main(["prepare-data", str(all_bad), "--out", str(out), "--image-root", str(folder)]) == 1
+    captured = capsys.readouterr()
+    assert f"0 good, {ROWS} bad" in captured.out and "no row of" in captured.err, captured
+    bad = [json.loads(line) for line in (out / "bad_rows.jsonl").read_text().splitlines()]
+    assert [b["row"] for b in bad] == list(range(ROWS)) and all(b["reason"] for b in bad)
+    assert "nowhere.png" in bad[0]["reason"], bad[0]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
 
 from raylora import config
@@ -58,20 +59,20 @@ def test_bad_rows_name_their_reason_when_read(tmp_path):
     assert load_image(rows.sample(3).images[0]).size == (8, 8)
 
 
-def test_preflight_reads_no_images(tmp_path, tiny_models):
-    """Bad rows are met when used (data.on_bad_row decides then): the start checks the schema only."""
+def test_preflight_reads_a_sample_and_refuses_bad_rows_before_ray(tmp_path, tiny_models):
+    """The driver decodes, renders and tokenises a sample of the rows before Ray starts: with
+    data.on_bad_row=error a bad row among them refuses the run there, naming it."""
     path = _table(tmp_path / "d.parquet")
-    cfg = config.load(
-        None,
-        [
-            f"model.path={tiny_models('llava')}",
-            f"data.train={path}",
-            "data.on_bad_row=error",
-            "train.global_batch_size=2",
-            "train.micro_batch_size=1",
-        ],
-    )
-    assert preflight(cfg).model_type == "llava"
+    settings = [
+        f"model.path={tiny_models('llava')}",
+        f"data.train={path}",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=1",
+    ]
+    with pytest.raises(config.ConfigError, match="row 1"):
+        preflight(config.load(None, [*settings, "data.on_bad_row=error"]))
+    # 3 of 5 rows bad is far over data.max_bad_fraction; allowed, the run starts and skips them
+    assert preflight(config.load(None, [*settings, "data.max_bad_fraction=1.0"])).model_type == "llava"
 
 
 def test_saved_config_is_redacted(monkeypatch):

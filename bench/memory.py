@@ -82,9 +82,9 @@ def long_sequence_data(work: str | Path, tiny: bool) -> str:
 
 def sample_lengths(model_dir: str, train_file: str, max_pixels: int | None) -> dict:
     """Tokens of a short and a long sample and image tokens per image, as the processor makes them."""
-    from raylora.data import make_batch, read
-    from raylora.formats import open_rows
-    from raylora.processor import load_processor
+    from raylora.data.batches import make_batch, read
+    from raylora.data.formats import open_rows
+    from raylora.data.processor import load_processor
 
     processor = load_processor(model_dir, max_pixels)
     data = open_rows(train_file)

@@ -38,6 +38,9 @@ def _train(args) -> int:
 
 
 def _tune(args) -> int:
+    from raylora import config
+
+    config.load(args.config, args.overrides)  # as for train: a config error before Ray is imported
     from raylora.tune import best, run_tune
 
     results = run_tune(
@@ -87,9 +90,9 @@ def _export(args) -> int:
 
 
 def _eval(args) -> int:
+    from raylora.data.formats import check_source
     from raylora.evaluate import evaluate, load_for_inference
     from raylora.export import base_model_path, verified_state
-    from raylora.formats import check_source
 
     state = verified_state(args.checkpoint)
     model_path = base_model_path(state, args.model)

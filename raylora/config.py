@@ -24,7 +24,7 @@ class ConfigError(ValueError):
     """Bad configuration or input, found before any expensive work starts (the CLI exits with 2)."""
 
 
-# raylora.formats' FORMATS and ALIASES, named here so that a config is checked without importing the
+# raylora.data.formats' FORMATS and ALIASES, named here so that a config is checked without importing the
 # readers (pyarrow, PIL); tests/test_config.py holds the two lists equal.
 DATA_FORMATS = ("raylora", "chat", "llava", "sharegpt", "alpaca", "query_response")
 

@@ -9,10 +9,11 @@ from peft import PeftModel
 
 from raylora import checkpoint, hub
 from raylora.arch import auto_model_class, remote_code
-from raylora.data import end_of_turn_ids, last_answer, make_batch, read, stand_in
-from raylora.formats import BadRow, Rows, open_rows
+from raylora.data.batches import make_batch, read, stand_in
+from raylora.data.formats import BadRow, Rows, open_rows
+from raylora.data.labels import end_of_turn_ids, last_answer
+from raylora.data.processor import load_processor
 from raylora.loss import answer_token_losses
-from raylora.processor import load_processor
 
 
 def load_for_inference(folder: str | Path, model_path: str | None = None):

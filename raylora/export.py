@@ -49,7 +49,7 @@ def base_model_path(state: checkpoint.TrainState, model_path: str | None = None)
 def _write_merged(folder: Path, out: Path, model_path: str) -> None:
     from transformers import AutoConfig
 
-    from raylora.data import end_of_turn_ids
+    from raylora.data.labels import end_of_turn_ids
     from raylora.evaluate import load_for_inference
 
     # Merge in fp32 so that W + BA is exact up to fp32 rounding, then save in the base model's dtype
@@ -60,7 +60,7 @@ def _write_merged(folder: Path, out: Path, model_path: str) -> None:
     if isinstance(base_dtype, torch.dtype) and base_dtype.is_floating_point:
         merged = merged.to(base_dtype)
     # generate() stops at generation_config.eos_token_id: it must hold the stop token training labelled
-    # (llava-1.5's base config names </s>, Qwen's <|im_end|>; raylora.data.end_of_turn_ids)
+    # (llava-1.5's base config names </s>, Qwen's <|im_end|>; raylora.data.labels.end_of_turn_ids)
     gen = merged.generation_config
     eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
     gen.eos_token_id = list(dict.fromkeys([t for t in eos if t is not None] + end_of_turn_ids(processor)))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from raylora.data import IGNORE_INDEX
+from raylora.data.labels import IGNORE_INDEX
 
 FULL_LOGITS = False
 """Benchmark switch (bench/memory.py): compute the logits of every position, as a plain forward does."""

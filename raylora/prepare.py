@@ -79,7 +79,7 @@ def prepare(
 
     Everything that can be checked without Ray is checked first (the source's format, `out`, the model).
     """
-    from raylora.formats import check_source
+    from raylora.data.formats import check_source
 
     source, out = storage.absolute(source), storage.absolute(out)
     image_root = storage.absolute(image_root) if image_root else None
@@ -195,14 +195,14 @@ def verdict(summary: dict[str, Any], max_bad_fraction: float) -> tuple[int, str 
 @functools.cache
 def _open(uri: str, fmt: str, image_root: str | None):
     """The source, opened once per worker process: Ray reuses a process for many tasks."""
-    from raylora.formats import open_rows
+    from raylora.data.formats import open_rows
 
     return open_rows(uri, fmt, image_root)
 
 
 @functools.cache
 def _processor(model: str):
-    from raylora.processor import load_processor
+    from raylora.data.processor import load_processor
 
     return load_processor(hub.resolve(model))
 
@@ -219,7 +219,7 @@ def _read(entry: bytes | str) -> bytes:
 def _tokens(processor, messages: list[dict], images: list) -> int:
     """Tokens of the sample as training makes them and `data.max_length` counts them: every turn through
     the model's chat template and processor, image tokens expanded."""
-    from raylora.data import encode
+    from raylora.data.labels import encode
 
     return len(encode(processor, (messages, images)).labels)
 
@@ -231,7 +231,7 @@ def check_rows(
     row's sizes go to `ledger`."""
     from jinja2 import TemplateError
 
-    from raylora.formats import BadRow, load_image
+    from raylora.data.formats import BadRow, load_image
 
     rows = _open(uri, fmt, image_root)
     processor = _processor(model) if model else None

@@ -32,8 +32,8 @@ import ray.train
 
 from raylora import checkpoint, hub
 from raylora.config import Config, ConfigError
+from raylora.data.formats import check_source
 from raylora.drills import maybe_read_error
-from raylora.formats import check_source
 from raylora.storage import recorded_checkpoints, run_folder
 
 log = logging.getLogger("raylora")

@@ -120,7 +120,7 @@ def _llava(width: int, layers: int):
 
 def _qwen_vl(config_cls, processor_cls, vision_config: dict):
     """Qwen2-VL and Qwen2.5-VL: M-RoPE text model, a patch-merging vision tower, image-only processor."""
-    from raylora.processor import image_only_processor_class
+    from raylora.data.processor import image_only_processor_class
 
     tokenizer = build_tokenizer()
     config = config_cls(
@@ -226,7 +226,7 @@ def _gemma3_weights(model) -> None:
 def _internvl(width: int, layers: int):
     from transformers import GotOcr2ImageProcessorPil, InternVLConfig, InternVLProcessor, Qwen2Config
 
-    from raylora.processor import image_only_processor_class
+    from raylora.data.processor import image_only_processor_class
 
     tokenizer = build_tokenizer(named_tokens=INTERNVL_TOKENS)
     tokens_per_image = (IMAGE_SIZE // PATCH_SIZE // 2) ** 2  # downsample_ratio 0.5: 4x4 patches -> 2x2
@@ -254,7 +254,7 @@ def _internvl(width: int, layers: int):
 def _mistral3(width: int, layers: int):
     from transformers import Mistral3Config, MistralConfig, PixtralImageProcessorPil, PixtralVisionConfig
 
-    from raylora.processor import pixtral_processor_class
+    from raylora.data.processor import pixtral_processor_class
 
     tokenizer = build_tokenizer(extra_tokens=MISTRAL3_TOKENS)
     # Pixtral keeps an image's own size (8x8 digits, no upscaling): 2 px patches, merged 2x2 by the

@@ -11,7 +11,7 @@ DIGIT_NAMES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "e
 
 # Chat templates modelled on the real models' ones, so the tiny models are prompted the same way.
 # llava-hf/llava-1.5-*-hf's own: images first, each text plus a space, and no </s> after an answer (raylora
-# adds and trains the EOS there: raylora.data.encode).
+# adds and trains the EOS there: raylora.data.labels.encode).
 LLAVA_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
     "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"

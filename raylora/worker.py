@@ -25,22 +25,17 @@ from transformers import get_cosine_schedule_with_warmup
 from raylora import checkpoint, console, failures, hub, resume, zero
 from raylora.arch import Architecture, for_model
 from raylora.config import Config
-from raylora.data import (
-    Decoded,
-    GlobalSampler,
-    check_chat_template,
-    check_max_length,
-    limit_length,
-    read,
-)
+from raylora.data.batches import check_max_length, limit_length, read
+from raylora.data.formats import BadRow, Rows, open_rows
+from raylora.data.labels import Decoded, check_chat_template
+from raylora.data.pipeline import step_inputs
+from raylora.data.processor import load_processor
+from raylora.data.sampler import GlobalSampler
 from raylora.drills import maybe_kill
 from raylora.ds import deepspeed
 from raylora.evaluate import evaluate_sharded
-from raylora.formats import BadRow, Rows, open_rows
 from raylora.loss import answer_token_losses, predicts_answer
 from raylora.model import build_model, mark_trained, shapes
-from raylora.pipeline import step_inputs
-from raylora.processor import load_processor
 from raylora.progress import bad_rows_before, count_attempt
 from raylora.redact import redact
 from raylora.reporting import Reporter
@@ -68,7 +63,7 @@ class Setup:
     world_size: int
     arch: Architecture
     eval_data: Rows | None = None
-    # the steps' micro batches, prepared beside training (raylora.pipeline); None: built inline
+    # the steps' micro batches, prepared beside training (raylora.data.pipeline); None: built inline
     inputs: Iterator[StepBatches] | None = None
     step: int = 0
     restarts: int = 0

@@ -157,7 +157,7 @@ def restore_probe(cfg, folder: str | Path, examples: list | None = None) -> dict
     import torch
 
     from raylora import checkpoint, zero
-    from raylora.data import make_batch
+    from raylora.data.batches import make_batch
     from raylora.worker import setup
 
     loaded = checkpoint.load(folder)

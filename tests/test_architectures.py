@@ -19,8 +19,9 @@ from transformers import AutoModelForImageTextToText
 from raylora import checkpoint
 from raylora.arch import REGISTRY, Architecture, detect, lora_target_regex
 from raylora.assets import TINY_ARCHS
-from raylora.data import IGNORE_INDEX, make_batch
-from raylora.processor import load_processor
+from raylora.data.batches import make_batch
+from raylora.data.labels import IGNORE_INDEX
+from raylora.data.processor import load_processor
 from tests.support import on_workers, restore_probe, tiny_run_config, train_and_save
 from tests.test_batches import ANSWERS, END_OF_TURN, SAMPLES
 

@@ -15,18 +15,11 @@ from PIL import Image
 
 from raylora import checkpoint, failures
 from raylora.assets import TINY_ARCHS
-from raylora.data import (
-    IGNORE_INDEX,
-    GlobalSampler,
-    check_chat_template,
-    encode,
-    end_of_turn_ids,
-    limit_length,
-    make_batch,
-    read,
-)
-from raylora.formats import open_rows
-from raylora.processor import load_processor
+from raylora.data.batches import limit_length, make_batch, read
+from raylora.data.formats import open_rows
+from raylora.data.labels import IGNORE_INDEX, check_chat_template, encode, end_of_turn_ids
+from raylora.data.processor import load_processor
+from raylora.data.sampler import GlobalSampler
 from tests.support import straight_and_killed, tiny_run_config
 
 # How each tiny model's chat template ends an assistant turn (raylora/tiny_text.py), written out here so
@@ -289,6 +282,9 @@ def test_mixed_data_trains_counts_bad_rows_and_resumes_equal(mixed_runs):
     for name in ("straight", "killed"):
         rows = {r["step"]: r for r in read_metrics(str(mixed_runs["storage"]), name)}
         assert [rows[s + 1]["bad_rows"] for s in range(STEPS)] == mixed_runs["expected_bad"], name
+        # the running count, across the kill and resume too (a redone step counted once)
+        so_far = [sum(mixed_runs["expected_bad"][: s + 1]) for s in range(STEPS)]
+        assert [rows[s + 1]["bad_rows_so_far"] for s in range(STEPS)] == so_far, name
         assert [rows[s + 1]["too_long"] for s in range(STEPS)] == mixed_runs["expected_too_long"], name
         assert all(0 < rows[s + 1]["loss"] < 20 for s in range(STEPS)), name
     assert mixed_runs["expected_bad"][1] == 1

@@ -138,7 +138,7 @@ def test_make_trainer_leaves_the_config_as_it_is(tmp_path, monkeypatch):
 
 
 def test_data_formats_named_in_config_are_the_readers():
-    from raylora import formats
     from raylora.config import DATA_FORMATS
+    from raylora.data import formats
 
     assert set(DATA_FORMATS) == set(formats.FORMATS) | set(formats.ALIASES)

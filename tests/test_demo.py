@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 def test_demo_survives_a_killed_worker_and_writes_its_summary(ray_cluster, tmp_path, capfd):
     from transformers import AutoModelForImageTextToText
 
+    from raylora.data.processor import load_processor
     from raylora.evaluate import evaluate
-    from raylora.processor import load_processor
 
     summary = demo(
         tmp_path,

@@ -19,11 +19,12 @@ from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint, cli, config
 from raylora.arch import detect
-from raylora.data import end_of_turn_ids, make_batch, read
+from raylora.data.batches import make_batch, read
+from raylora.data.formats import open_rows
+from raylora.data.labels import end_of_turn_ids
+from raylora.data.processor import load_processor
 from raylora.evaluate import load_for_inference
-from raylora.formats import open_rows
 from raylora.model import build_model, set_trainable, shapes, trainable_parameters
-from raylora.processor import load_processor
 
 
 def make_checkpoint(folder: Path, model_dir: str, train_file, *overrides: str) -> Path:

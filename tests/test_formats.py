@@ -19,10 +19,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raylora import config, formats
+from raylora import config
 from raylora.config import ConfigError
-from raylora.formats import BadRow, check_source, load_image, open_rows
-from raylora.sample import Sample
+from raylora.data import formats
+from raylora.data.formats import BadRow, check_source, load_image, open_rows
+from raylora.data.sample import Sample
 from tests.support import final_checkpoint as _final
 
 ROWS = 64  # enough for 4 steps of 8 samples without repeating an epoch

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import raylora.processor as processor_module
+import raylora.data.processor as processor_module
 from raylora.assets import make_tiny_model
 
 CORPUS = [

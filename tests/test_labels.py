@@ -11,8 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from raylora.data import IGNORE_INDEX, encode, end_of_turn_ids, make_batch
-from raylora.processor import load_processor
+from raylora.data.batches import make_batch
+from raylora.data.labels import IGNORE_INDEX, encode, end_of_turn_ids
+from raylora.data.processor import load_processor
 from raylora.tiny_text import GEMMA3_TOKENS, IDEFICS3_TOKENS
 from tests import real_tokenizers as rt
 

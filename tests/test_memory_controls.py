@@ -17,12 +17,13 @@ from raylora import config
 from raylora.arch import detect
 from raylora.assets import PROMPT, TINY_ARCHS
 from raylora.config import ConfigError
-from raylora.data import IGNORE_INDEX, check_max_length, limit_length, make_batch, read
+from raylora.data.batches import check_max_length, limit_length, make_batch, read
+from raylora.data.formats import open_rows
+from raylora.data.labels import IGNORE_INDEX
+from raylora.data.processor import load_processor
 from raylora.driver import preflight
-from raylora.formats import open_rows
 from raylora.loss import answer_token_losses
 from raylora.model import add_lora, base_name, prepare_for_training, set_trainable
-from raylora.processor import load_processor
 from tests.support import tiny_run_config
 
 LONG_PROMPT = " ".join([PROMPT] * 4)

@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from raylora.config import ConfigError
-from raylora.data import read
-from raylora.formats import BadRow, check_source, load_image, open_rows
+from raylora.data.batches import read
+from raylora.data.formats import BadRow, check_source, load_image, open_rows
 
 IMAGE, VIDEO = {"type": "image"}, {"type": "video"}
 

@@ -20,12 +20,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint, cli, config
-from raylora.data import make_batch, read
+from raylora.data.batches import make_batch, read
+from raylora.data.formats import open_rows
+from raylora.data.processor import load_processor
 from raylora.driver import preflight
 from raylora.evaluate import load_for_inference
-from raylora.formats import open_rows
 from raylora.model import add_lora, base_name, set_trainable, trainable_parameters
-from raylora.processor import load_processor
 from tests.support import on_workers, restore_probe, tiny_run_config, train_and_save
 
 RUNS = {

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raylora.config import ConfigError
-from raylora.pipeline import step_inputs
+from raylora.data.pipeline import step_inputs
 
 
 def build(step: int) -> dict:

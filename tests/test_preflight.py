@@ -20,10 +20,13 @@ from PIL import Image
 from raylora import failures
 from raylora.cli import main
 from raylora.config import ConfigError
-from raylora.data import IGNORE_INDEX, GlobalSampler, limit_length
-from raylora.driver import check_unread_fields, preflight
-from raylora.formats import open_rows
-from raylora.processor import load_processor
+from raylora.data.batches import limit_length
+from raylora.data.formats import open_rows
+from raylora.data.labels import IGNORE_INDEX
+from raylora.data.preflight import check_unread_fields
+from raylora.data.processor import load_processor
+from raylora.data.sampler import GlobalSampler
+from raylora.driver import preflight
 from tests.support import tiny_run_config
 
 
@@ -187,13 +190,14 @@ def test_unread_fields_are_named(digits, tmp_path, caplog):
 
 
 @pytest.mark.parametrize(
-    "section, message",
+    "command, section, message",
     [
-        ("data: {train: t.parquet, shufle: true}", "unknown config key data.shufle"),
-        ("data: {train: t.parquet}\ntrain: {max_steps: ten}", "train.max_steps: expected int"),
+        ("train", "data: {train: t.parquet, shufle: true}", "unknown config key data.shufle"),
+        ("train", "data: {train: t.parquet}\ntrain: {max_steps: ten}", "train.max_steps: expected int"),
+        ("tune", "data: {train: t.parquet, shufle: true}", "unknown config key data.shufle"),
     ],
 )
-def test_a_config_error_comes_before_torch_ray_and_deepspeed(tmp_path, section, message):
+def test_a_config_error_comes_before_torch_ray_and_deepspeed(tmp_path, command, section, message):
     """The cheap checks first: a wrong key or type is reported without importing the training stack."""
     config_file = tmp_path / "run.yaml"
     config_file.write_text(f"model: {{path: m}}\n{section}\n")
@@ -201,7 +205,7 @@ def test_a_config_error_comes_before_torch_ray_and_deepspeed(tmp_path, section, 
         "import json, sys, time\n"
         "start = time.perf_counter()\n"
         "from raylora.cli import main\n"
-        f"code = main(['train', {str(config_file)!r}])\n"
+        f"code = main([{command!r}, {str(config_file)!r}])\n"
         "heavy = [m for m in ('torch', 'ray', 'deepspeed', 'transformers') if m in sys.modules]\n"
         "print(json.dumps([code, heavy, time.perf_counter() - start]))\n"
     )

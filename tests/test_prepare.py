@@ -84,7 +84,7 @@ def prepared(llava_source, tiny_models, ray_cluster, tmp_path_factory):
 
 
 def test_prepared_rows_equal_the_good_source_rows(llava_source, prepared):
-    from raylora.formats import check_source, open_rows
+    from raylora.data.formats import check_source, open_rows
 
     source, folder, images = llava_source
     out, _, _ = prepared
@@ -115,9 +115,9 @@ def test_bad_rows_are_named_with_a_reason(prepared):
 
 def test_statistics(llava_source, prepared):
     """Image sizes, images per row and tokens, computed here from the source files and the processor."""
-    from raylora.data import make_batch
-    from raylora.formats import open_rows
-    from raylora.processor import load_processor
+    from raylora.data.batches import make_batch
+    from raylora.data.formats import open_rows
+    from raylora.data.processor import load_processor
 
     source, folder, images = llava_source
     out, model, printed = prepared

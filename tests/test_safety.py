@@ -13,8 +13,8 @@ import pytest
 from PIL import Image
 
 from raylora import config
+from raylora.data.formats import BadRow, load_image, open_rows
 from raylora.driver import preflight
-from raylora.formats import BadRow, load_image, open_rows
 from raylora.redact import redact
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +92,7 @@ def test_saved_config_is_redacted(monkeypatch):
 
 def test_restore_path_reads_no_pickle():
     """Checkpoints are read with safetensors and json only: no torch.load or pickle anywhere in raylora."""
-    for path in (ROOT / "raylora").glob("*.py"):
+    for path in (ROOT / "raylora").rglob("*.py"):
         text = path.read_text()
         assert not re.search(r"\bpickle\b|torch\.load\(", text), path.name
         assert "trust_remote_code=True" not in text, path.name

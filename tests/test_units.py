@@ -10,9 +10,11 @@ import torch
 from raylora import checkpoint
 from raylora.arch import REGISTRY, detect, lora_target_regex
 from raylora.config import ConfigError
-from raylora.data import IGNORE_INDEX, GlobalSampler, end_of_turn_ids, last_answer, make_batch, read
-from raylora.formats import open_rows
-from raylora.processor import load_processor
+from raylora.data.batches import make_batch, read
+from raylora.data.formats import open_rows
+from raylora.data.labels import IGNORE_INDEX, end_of_turn_ids, last_answer
+from raylora.data.processor import load_processor
+from raylora.data.sampler import GlobalSampler
 
 
 def test_qwen2_vl_aligner_inside_vision_tower():

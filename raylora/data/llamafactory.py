@@ -13,8 +13,8 @@ import json
 import posixpath
 
 from raylora.config import ConfigError
-from raylora.formats_turns import TOOLS
-from raylora.rows import Layout
+from raylora.data.rows import Layout
+from raylora.data.turns import TOOLS
 from raylora.storage import filesystem
 
 # LLaMA-Factory's defaults (src/llamafactory/data/parser.py, DatasetAttr).
@@ -29,7 +29,7 @@ TAGS = {
     "function_tag": "function_call",
     "system_tag": "system",
 }
-# Its alpaca column names -> ours (formats_alpaca reads instruction, input, output).
+# Its alpaca column names -> ours (raylora.data.alpaca reads instruction, input, output).
 ALPACA_NAMES = {"prompt": "instruction", "query": "input", "response": "output"}
 READ = {"messages", "system", "images", "videos", "prompt", "query", "response", "history"}
 HUB = ("hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")

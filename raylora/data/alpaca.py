@@ -9,8 +9,8 @@ stand, and the history comes before it.
 
 from __future__ import annotations
 
-from raylora.rows import BadRow, Layout, Resolve, checked, entries, split_tags
-from raylora.sample import Sample
+from raylora.data.rows import BadRow, Layout, Resolve, checked, entries, split_tags
+from raylora.data.sample import Sample
 
 
 def alpaca_layout(names: list[str]) -> Layout:

@@ -196,7 +196,9 @@ def _from_pretrained(model_path: str | Path, trust_remote_code: bool = False):
         )
     name = processor_class_name(folder)
     if trust_remote_code and _remote_processor(folder):
-        processor = transformers.AutoProcessor.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+        processor = transformers.AutoProcessor.from_pretrained(
+            model_path, trust_remote_code=trust_remote_code
+        )
     elif is_torchvision_available() or name is None:
         processor = transformers.AutoProcessor.from_pretrained(model_path)
     elif name in TORCHVISION_FREE:

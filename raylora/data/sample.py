@@ -1,4 +1,4 @@
-"""One training example in the form every data format is read into (`raylora.formats`) and every batch
+"""One training example in the form every data format is read into (`raylora.data.formats`) and every batch
 is built from (`raylora.data`).
 
 `messages` follow Hugging Face's chat style after normalisation: a list of turns

@@ -11,10 +11,20 @@ and the `video` / `video_url` counterparts. Media without an inline source come 
 
 from __future__ import annotations
 
-from raylora.rows import BadRow, Layout, Resolve, base64_bytes, checked, entries, entry, media, split_tags
-from raylora.rows import text as text_part
-from raylora.rows import turns as turn_list
-from raylora.sample import Sample
+from raylora.data.rows import (
+    BadRow,
+    Layout,
+    Resolve,
+    base64_bytes,
+    checked,
+    entries,
+    entry,
+    media,
+    split_tags,
+)
+from raylora.data.rows import text as text_part
+from raylora.data.rows import turns as turn_list
+from raylora.data.sample import Sample
 
 TOOLS = "tool-call turns are not supported: raylora trains on system, user and assistant turns"
 CHAT_ROLES = {

@@ -1,7 +1,7 @@
 """What every row reader shares: `BadRow`, the parts of a turn, media entries and the final check.
 
-The format family modules (`formats_turns`, `formats_alpaca`) and `formats` import this; it imports only
-`raylora.sample`, so imports flow one way: formats -> family modules -> rows -> sample.
+The format family modules (`turns`, `alpaca`) and `formats` import this; it imports only
+`raylora.data.sample`, so imports flow one way: formats -> family modules -> rows -> sample.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlparse
 
-from raylora.sample import Sample
+from raylora.data.sample import Sample
 
 Resolve = Callable[[str], str]  # a path as a row holds it -> a path/URI this process can open
 

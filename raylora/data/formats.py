@@ -1,44 +1,40 @@
-"""The data formats raylora reads, each row into one `raylora.sample.Sample` (README: Data formats).
+"""The data formats raylora reads, each row into one `raylora.data.sample.Sample` (README: Data formats).
 
 - `raylora`: Parquet with columns image (encoded bytes), prompt, answer: one user turn, one answer.
 - `chat`: `messages` of `{role, content}` turns (Hugging Face, TRL, OpenAI, axolotl, ms-swift, LLaMA-Factory's
   openai style), content a string with `<image>`/`<video>` tags or a list of parts, and `images` / `image` /
-  `videos` (`raylora.formats_turns`).
+  `videos` (`raylora.data.turns`).
 - `llava` (alias `sharegpt`): `conversations` of `{from, value}` turns with `<image>` tags, and `image` or
-  `images` (LLaVA, LLaMA-Factory's sharegpt; `raylora.formats_turns`).
+  `images` (LLaVA, LLaMA-Factory's sharegpt; `raylora.data.turns`).
 - `alpaca` (`instruction`, `input`, `output`) and `query_response` (ms-swift's `query`, `response`), with
-  `system`, `history`, `images` (`raylora.formats_alpaca`).
+  `system`, `history`, `images` (`raylora.data.alpaca`).
 - LLaMA-Factory's `dataset_info.json#entry`: that entry's file, read through its `columns` and `tags`
-  (`raylora.formats_llamafactory`).
+  (`raylora.data.llamafactory`).
 
 Each may be one file, a folder of Parquet files (what Ray Data and `raylora prepare-data` write), or a folder
 that `datasets.save_to_disk` wrote (its Arrow files are read here, without `datasets`); local or through any
 pyarrow filesystem URI. Rows are read when a batch uses them, never at the start, so that memory and start-up
 per rank stay flat however many rows there are; images are decoded only in `load_image`. An `http(s)://`
-image is a `BadRow` whose reason starts "remote image URL" (`raylora.rows.REMOTE`), met by the driver's
+image is a `BadRow` whose reason starts "remote image URL" (`raylora.data.rows.REMOTE`), met by the driver's
 preflight on the first rows. Videos are read into `Sample.videos`; the batch builder does not take them yet.
 """
 
 from __future__ import annotations
 
-import bisect
 import io
 import json
 import os
 import posixpath
-import re
-from collections import OrderedDict
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.fs
-import pyarrow.parquet as pq
 from PIL import Image
 
-from raylora import formats_alpaca, formats_llamafactory, formats_turns
 from raylora.config import ConfigError
-from raylora.rows import BadRow, Layout, Resolve, checked, data_url, entry, media, text
-from raylora.sample import Sample
+from raylora.data import alpaca, llamafactory, turns
+from raylora.data.records import ArrowRecords, JsonRecords, ParquetRecords, Records
+from raylora.data.rows import BadRow, Layout, Resolve, checked, data_url, entry, media, text
+from raylora.data.sample import Sample
 from raylora.storage import filesystem, is_uri
 
 __all__ = ["BadRow", "Rows", "check_source", "load_image", "open_rows"]
@@ -66,12 +62,6 @@ WATCHED = (
     "history", "system", "tools", "chosen", "rejected", "rejected_response", "rejected_messages",
     "rejected_images", "objects",
 )  # fmt: skip
-# Decoded Parquet row groups kept per process. The sampler visits rows in a random order, so a cache only
-# pays where the whole data set is a few row groups (it then stays decoded); a big one has small row groups
-# (prepare-data writes them) that are cheap to read again, and a bound keeps memory flat in the rows.
-ROW_GROUP_CACHE = 4
-CHUNK = 1 << 24  # bytes a JSONL file is scanned by: the index never holds the file
-JSON_NAMES = 32  # JSON records whose keys make a source's field names (rows of JSONL vary in their keys)
 
 
 def load_image(entry: bytes | str) -> Image.Image:
@@ -99,7 +89,7 @@ class Rows:
     Picklable (the input pipeline's processes get a copy): open files and caches are reopened after.
     """
 
-    def __init__(self, uri: str, layout: Layout, records: _Records, image_root: str, unread: list[str]):
+    def __init__(self, uri: str, layout: Layout, records: Records, image_root: str, unread: list[str]):
         self.uri, self.layout, self.records, self.image_root = uri, layout, records, image_root
         # Fields of the source that hold media or turns and that its reader does not read (`WATCHED`),
         # for the driver's preflight to name: never dropped silently.
@@ -144,8 +134,8 @@ def _open(uri: str, key: str, fmt: str | None, image_root: str | None) -> Rows:
     if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"data.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     layout, unread, data_uri = None, [], uri
-    if (entry_of := formats_llamafactory.split(uri)) is not None:
-        data_uri, root, layout, unread = formats_llamafactory.entry(*entry_of, key)
+    if (entry_of := llamafactory.split(uri)) is not None:
+        data_uri, root, layout, unread = llamafactory.entry(*entry_of, key)
         image_root = image_root or root
         if fmt is not None and fmt != layout.format:
             raise ConfigError(
@@ -162,7 +152,7 @@ def _open(uri: str, key: str, fmt: str | None, image_root: str | None) -> Rows:
     return Rows(uri, layout, records, image_root or root, unread)
 
 
-def _records(uri: str, key: str) -> tuple[_Records, str]:
+def _records(uri: str, key: str) -> tuple[Records, str]:
     """The records of the file or folder at `uri`, and the folder its relative paths are against."""
     if posixpath.basename(uri.rstrip("/")) == "dataset_info.json":
         raise ConfigError(f"{key}: {uri} is LLaMA-Factory's list of data sets: name one, as {uri}#name")
@@ -196,28 +186,28 @@ def _detect(uri: str, key: str, fmt: str | None, names: list[str]) -> Layout:
     return LAYOUTS[fmt](names)
 
 
-def _file(fs, path: str, key: str, uri: str) -> _Records:
+def _file(fs, path: str, key: str, uri: str) -> Records:
     ext = posixpath.splitext(path)[1].lower()
     if ext in (".parquet", ".pq"):
-        return _Parquet(fs, [path])
+        return ParquetRecords(fs, [path])
     if ext in (".json", ".jsonl", ".ndjson"):
-        return _Json(fs, path)
+        return JsonRecords(fs, path)
     with fs.open_input_file(path) as f:
         head = f.read(4)
     if head == b"PAR1":
-        return _Parquet(fs, [path])
+        return ParquetRecords(fs, [path])
     if head.lstrip()[:1] in (b"[", b"{"):
-        return _Json(fs, path)
+        return JsonRecords(fs, path)
     raise ConfigError(f"{key}: {uri} is neither Parquet nor JSON/JSONL. Formats accepted: {ACCEPTED}")
 
 
-def _folder(fs, path: str, key: str, uri: str) -> _Records:
+def _folder(fs, path: str, key: str, uri: str) -> Records:
     entries = fs.get_file_info(pyarrow.fs.FileSelector(path, recursive=True))
     names = {posixpath.relpath(e.path, path): e for e in entries if e.type == pyarrow.fs.FileType.File}
     if "state.json" in names:  # datasets.save_to_disk
         with fs.open_input_file(posixpath.join(path, "state.json")) as f:
             state = json.loads(f.read())
-        return _Arrow(fs, [posixpath.join(path, d["filename"]) for d in state["_data_files"]])
+        return ArrowRecords(fs, [posixpath.join(path, d["filename"]) for d in state["_data_files"]])
     if "dataset_dict.json" in names:
         splits = sorted({n.split("/")[0] for n in names if "/" in n})
         raise ConfigError(
@@ -230,155 +220,7 @@ def _folder(fs, path: str, key: str, uri: str) -> _Records:
             f"{key}: {uri} is a folder with neither Parquet files nor a datasets.save_to_disk state.json "
             f"(files: {', '.join(sorted(names)[:5]) or 'none'}). Formats accepted: {ACCEPTED}"
         )
-    return _Parquet(fs, parquet)
-
-
-class _Records:
-    """Rows of a source as plain dicts: `names` (its fields), `columns` (those read), `record(i)`."""
-
-    names: list[str]
-    columns: list[str] | None = None
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def record(self, i: int) -> dict:
-        raise NotImplementedError
-
-    def __getstate__(self) -> dict:  # open files and caches stay in the process that opened them
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-
-
-class _Parquet(_Records):
-    """Parquet files, one row group read (and cached) when a row in it is used; the footers say the rest."""
-
-    def __init__(self, fs, files: list[str]):
-        self.fs, self.files, self.groups, starts = fs, files, [], [0]
-        for k, path in enumerate(files):
-            meta = pq.read_metadata(path, filesystem=fs)
-            if k == 0:
-                self.names = meta.schema.to_arrow_schema().names
-            for g in range(meta.num_row_groups):
-                self.groups.append((k, g))
-                starts.append(starts[-1] + meta.row_group(g).num_rows)
-        self.starts = np.asarray(starts, dtype=np.int64)
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
-
-    def record(self, i: int) -> dict:
-        g = bisect.bisect_right(self.starts, i) - 1
-        cache = self.__dict__.setdefault("_cache", OrderedDict())
-        if g not in cache:
-            k, group = self.groups[g]
-            # A file's footer is parsed once per process: with many small row groups it is large (about
-            # 1 KB a group), and parsing it at every read cost ten times the row group's own read.
-            footers = self.__dict__.setdefault("_footers", {})
-            if k not in footers:
-                footers[k] = pq.read_metadata(self.files[k], filesystem=self.fs)
-            with self.fs.open_input_file(self.files[k]) as f:
-                cache[g] = pq.ParquetFile(f, metadata=footers[k]).read_row_group(group, columns=self.columns)
-            if len(cache) > ROW_GROUP_CACHE:
-                cache.popitem(last=False)
-        cache.move_to_end(g)
-        return cache[g].slice(i - int(self.starts[g]), 1).to_pylist()[0]
-
-
-class _Arrow(_Records):
-    """A `datasets.save_to_disk` folder: its Arrow stream files, memory-mapped, so rows cost no memory of
-    their own and the OS pages in what is read (zero copy). Not through `datasets`, which pulls in much more
-    at every start. A remote (URI) folder has no memory map: its files are read whole, once."""
-
-    def __init__(self, fs, files: list[str]):
-        self.fs, self.files = fs, files
-        table = self._table()
-        self.names, self.rows = table.schema.names, table.num_rows
-
-    def _table(self) -> pa.Table:
-        if "_tables" not in self.__dict__:
-            local = isinstance(self.fs, pyarrow.fs.LocalFileSystem)
-            sources = [pa.memory_map(p) if local else self.fs.open_input_stream(p) for p in self.files]
-            self._tables = pa.concat_tables(pa.ipc.open_stream(s).read_all() for s in sources)
-        return self._tables
-
-    def __len__(self) -> int:
-        return self.rows
-
-    def record(self, i: int) -> dict:
-        table = self._table()
-        return table.select(self.columns or table.schema.names).slice(i, 1).to_pylist()[0]
-
-
-class _Json(_Records):
-    """A JSON array or JSONL file, by a byte-offset index of its records (16 bytes a row): a record is read
-    and parsed when used, so a rank holds neither the file nor its parsed objects. Building the index is
-    one pass over the file at the start, which a JSON array (no line boundaries) needs in full."""
-
-    def __init__(self, fs, path: str):
-        self.fs, self.path = fs, path
-        with fs.open_input_stream(path) as f:
-            head = f.read(CHUNK)
-            if head.lstrip()[:1] == b"[":
-                self.spans = _array_spans(head + f.read())
-            else:
-                self.spans = _line_spans(head, f)
-        names: dict[str, None] = {}  # in order of first appearance
-        for i in range(min(len(self.spans), JSON_NAMES)):
-            try:
-                names.update(dict.fromkeys(self.record(i)))
-            except BadRow:
-                if i == 0:
-                    raise
-        self.names = list(names)
-
-    def __len__(self) -> int:
-        return len(self.spans)
-
-    def record(self, i: int) -> dict:
-        if "_file" not in self.__dict__:
-            self._file = self.fs.open_input_file(self.path)
-        start, end = (int(x) for x in self.spans[i])
-        try:
-            rec = json.loads(self._file.read_at(end - start, start))
-        except ValueError as err:
-            raise BadRow(f"not valid JSON ({err})") from err
-        if not isinstance(rec, dict):
-            raise BadRow(f"a JSON {type(rec).__name__}, not an object")
-        return rec
-
-
-def _line_spans(chunk: bytes, stream) -> np.ndarray:
-    """(start, end) byte offsets of JSONL's lines that hold a record, read chunk by chunk."""
-    breaks, offset = [], 0
-    while chunk:
-        breaks.append(np.flatnonzero(np.frombuffer(chunk, dtype=np.uint8) == ord("\n")) + offset)
-        offset += len(chunk)
-        chunk = stream.read(CHUNK)
-    ends = np.concatenate([*breaks, [offset]]).astype(np.int64)
-    starts = np.concatenate([[0], ends[:-1] + 1])
-    # A line of a few bytes ("", "\r", " ") holds no JSON object: `{"a":1}` alone takes 7.
-    spans = np.stack([starts, ends], axis=1)
-    return spans[ends - starts > 2]
-
-
-def _array_spans(data: bytes) -> np.ndarray:
-    """(start, end) byte offsets of a JSON array's elements, each decoded once and dropped."""
-    text, decoder, spans = data.decode("utf-8"), json.JSONDecoder(), []
-    space = re.compile(r"[\s,]*")
-    pos = space.match(text, text.index("[") + 1).end()
-    while pos < len(text) and text[pos] != "]":
-        _, end = decoder.raw_decode(text, pos)
-        spans.append((pos, end))
-        pos = space.match(text, end).end()
-    if not text.isascii():  # character offsets to byte offsets, piece by piece
-        byte, last, out = 0, 0, []
-        for start, end in spans:
-            byte += len(text[last:start].encode())
-            size = len(text[start:end].encode())
-            out.append((byte, byte + size))
-            byte, last = byte + size, end
-        spans = out
-    return np.asarray(spans, dtype=np.int64).reshape(-1, 2)
+    return ParquetRecords(fs, parquet)
 
 
 def _raylora(rec: dict, layout: Layout, resolve: Resolve) -> Sample:
@@ -395,15 +237,15 @@ def _raylora(rec: dict, layout: Layout, resolve: Resolve) -> Sample:
 
 LAYOUTS = {
     "raylora": lambda names: Layout("raylora", {n: n for n in FIELDS["raylora"]}),
-    "chat": formats_turns.chat_layout,
-    "llava": formats_turns.llava_layout,
-    "alpaca": formats_alpaca.alpaca_layout,
-    "query_response": formats_alpaca.query_response_layout,
+    "chat": turns.chat_layout,
+    "llava": turns.llava_layout,
+    "alpaca": alpaca.alpaca_layout,
+    "query_response": alpaca.query_response_layout,
 }
 READERS = {
     "raylora": _raylora,
-    "chat": formats_turns.read,
-    "llava": formats_turns.read,
-    "alpaca": formats_alpaca.read,
-    "query_response": formats_alpaca.read,
+    "chat": turns.read,
+    "llava": turns.read,
+    "alpaca": alpaca.read,
+    "query_response": alpaca.read,
 }

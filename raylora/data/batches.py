@@ -1,0 +1,158 @@
+"""The model's batches: rows decoded when a batch uses them (`read`), each sample encoded with its labels
+(`raylora.data.labels`), padded and stacked; the label-less stand-in that keeps every ZeRO-3 rank in step.
+Which rows a step uses is `raylora.data.sampler`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from raylora.config import ConfigError
+from raylora.data.formats import BadRow, Rows, load_image
+from raylora.data.labels import IGNORE_INDEX, Decoded, Row, encode
+
+# Why a row with videos is not trained (the driver refuses a source with video rows before Ray starts).
+NO_VIDEO = (
+    "a video row: raylora trains on images only. The Qwen2-VL family's video processor needs torchvision, "
+    "and the registry's torchvision (a CUDA build) does not import beside the CPU torch raylora pins; a "
+    "<video> tag is never trained on as text, so the row is not used"
+)
+
+
+def read(rows: Rows, i: int) -> Decoded:
+    """Row `i` of `rows`, its images decoded; `BadRow` when the row or one of its images is unusable, and
+    for a row with videos (`NO_VIDEO`)."""
+    sample = rows.sample(i)
+    if sample.video_count or sample.videos:
+        raise BadRow(NO_VIDEO)
+    return sample.messages, [load_image(entry) for entry in sample.images]
+
+
+def _cat(values: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along the first dimension, zero-padding the others where they differ: Idefics3's
+    images per sample, Pixtral's image height and width (the zeros are what their processors pad with)."""
+    shape = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]
+    padded = []
+    for v in values:
+        pad = [p for d in reversed(range(1, v.dim())) for p in (0, shape[d - 1] - v.shape[d])]
+        padded.append(F.pad(v, pad) if any(pad) else v)
+    return torch.cat(padded, dim=0)
+
+
+def _collate(processor, rows: list[Row], with_answers: bool) -> dict:
+    """Right-padded training rows, or left-padded generation prompts (no labels)."""
+    pad_id = processor.tokenizer.pad_token_id
+    width = max(len(r.labels) for r in rows)
+    keys = list(dict.fromkeys(k for r in rows for k in r.tokens))
+    if with_answers:
+        keys.append("labels")
+    batch = {}
+    for key in keys:
+        fill = {"input_ids": pad_id, "labels": IGNORE_INDEX}.get(key, 0)
+        padded = []
+        for r in rows:
+            values = r.labels if key == "labels" else r.tokens.get(key, [0] * len(r.labels))
+            pad = [fill] * (width - len(values))
+            padded.append(values + pad if with_answers else pad + values)
+        batch[key] = torch.tensor(padded, dtype=torch.long)
+    for key in dict.fromkeys(k for r in rows for k in r.vision):
+        batch[key] = _cat([v for r in rows for v in r.vision.get(key, [])])
+    return batch
+
+
+def make_batch(processor, samples: list[Decoded], with_answers: bool = True) -> dict:
+    """Tensors for the model from decoded samples, rendered with the model's own chat template: labels
+    on every assistant turn and its end-of-turn token, IGNORE_INDEX elsewhere (`encode`).
+
+    With `with_answers=False` (generation) each sample's last assistant turn is left out, the generation
+    prompt ends it, and padding goes on the left. Token-aligned tensors (input_ids, attention_mask,
+    mm_token_type_ids, ...) are padded together; vision tensors are concatenated along their first
+    dimension, which stacks Llava's images and joins Qwen2-VL's patch rows alike; samples without images
+    add none, so text-only and image samples share a batch.
+    """
+    return _collate(processor, [encode(processor, s, with_answers) for s in samples], with_answers)
+
+
+STAND_IN_EDGE = 56  # pixels a side: Qwen2-VL's smallest image (min_pixels 56 * 56); resized elsewhere
+
+
+def stand_in() -> Decoded:
+    """The sample that takes a slot's place without training on it (its labels are cleared): a blank
+    image, an empty question and answer. Under ZeRO-3 every rank must run the same forward and backward
+    passes, so a slot is never dropped: a too-long or bad sample, or an empty slot of the global batch,
+    becomes this row, vision tower and all."""
+    image = Image.new("RGB", (STAND_IN_EDGE, STAND_IN_EDGE), (127, 127, 127))
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": ""}]},
+        {"role": "assistant", "content": [{"type": "text", "text": ""}]},
+    ]
+    return messages, [image]
+
+
+def _stand_in_row(processor) -> Row:
+    row = encode(processor, stand_in())
+    row.labels = [IGNORE_INDEX] * len(row.labels)
+    return row
+
+
+def check_max_length(processor, max_length: int) -> None:
+    """`ConfigError` when even the stand-in sample is longer than `max_length` (data.max_length)."""
+    batch = make_batch(processor, [stand_in()])
+    length = int(batch["attention_mask"].sum())
+    if length > max_length:
+        image_id = getattr(processor, "image_token_id", None)
+        images = f", {int((batch['input_ids'] == image_id).sum())} of them image tokens" if image_id else ""
+        raise ConfigError(
+            f"data.max_length ({max_length}) is shorter than the shortest possible sample: a blank "
+            f"{STAND_IN_EDGE}x{STAND_IN_EDGE} image with an empty prompt and answer takes {length} tokens"
+            f"{images}"
+        )
+
+
+def limit_length(
+    processor,
+    samples: list[Decoded | None],
+    max_length: int | None,
+    *,
+    rejected: dict[int, str] | None = None,
+) -> tuple[dict, list[int]]:
+    """A training micro batch: `make_batch`, with each `None` slot (no sample) and each sample longer than
+    `max_length` tokens (all its turns, image tokens and end-of-turn tokens) replaced by the label-less
+    `stand_in()`. Returns the batch and the positions of the too-long samples.
+
+    With `rejected` given, a sample that the processor or the chat template rejects (a `ValueError` such
+    as "Found 1 <image> tokens in the text but no images", or the template's own `raise_exception`) is a
+    bad row: it is replaced by the stand-in too, and its position and why go into `rejected`. The same
+    row fails at every attempt, so it must not fail the step. Without `rejected` the error propagates.
+
+    Too-long samples are skipped, not truncated: cutting image tokens breaks the model's image-token
+    count, and cutting an answer would train on part of it.
+
+    A batch without any image gets one stand-in row more. Under ZeRO-3 the vision tower's forward gathers
+    its parameters and, when it is trained, its backward reduce-scatters their gradients: a rank that
+    skipped the tower would leave the other ranks waiting in those collectives forever. A real image row
+    through the model's own forward works for every architecture, where calling the tower on the side
+    (and adding 0 times its output to the loss) would need each architecture's vision call; its labels are
+    all IGNORE_INDEX, so it changes neither the loss nor the gradient.
+    """
+    from jinja2 import TemplateError  # what a chat template's raise_exception raises
+
+    rows = []
+    for i, sample in enumerate(samples):
+        try:
+            rows.append(_stand_in_row(processor) if sample is None else encode(processor, sample))
+        except (ValueError, TemplateError) as err:
+            if rejected is None or sample is None:
+                raise
+            rejected[i] = (
+                f"the processor rejects it ({type(err).__name__}: {' '.join(str(err).split())[:300]})"
+            )
+            rows.append(_stand_in_row(processor))
+    too_long = [i for i, r in enumerate(rows) if max_length is not None and len(r.labels) > max_length]
+    for i in too_long:
+        rows[i] = _stand_in_row(processor)
+    if not any(r.vision for r in rows):
+        rows.append(_stand_in_row(processor))
+    return _collate(processor, rows, with_answers=True), too_long

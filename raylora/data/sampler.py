@@ -1,0 +1,64 @@
+"""The global sampler: which samples form step `s`'s batch depends only on (seed, epoch) and the global batch
+size, never on the number of workers. Ray Data's iterators have no state to save, so an exact mid-epoch
+resume needs this sampler of our own; its position is just the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from raylora.config import ConfigError
+
+
+@dataclass(frozen=True)
+class GlobalSampler:
+    """Sample order from (seed, epoch) only; one global batch per step, drop-last within an epoch."""
+
+    num_samples: int
+    global_batch_size: int
+    seed: int
+
+    def __post_init__(self):
+        if self.num_samples < self.global_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size ({self.global_batch_size}) exceeds the {self.num_samples} "
+                f"training samples"
+            )
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.global_batch_size
+
+    def epoch(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def global_batch(self, step: int) -> list[int]:
+        """Sample indices of the global batch that optimizer step `step` (0-based) trains on."""
+        epoch, pos = divmod(step, self.steps_per_epoch)
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        start = pos * self.global_batch_size
+        return order[start : start + self.global_batch_size].tolist()
+
+    def shares(self, world_size: int) -> list[int]:
+        """Samples each rank trains on per step: the global batch split as evenly as it goes, so that
+        shares differ by at most one sample (the first ranks take the remainder)."""
+        base, extra = divmod(self.global_batch_size, world_size)
+        return [base + (rank < extra) for rank in range(world_size)]
+
+    def micro_batches(
+        self, step: int, rank: int, world_size: int, micro_batch_size: int
+    ) -> list[list[int | None]]:
+        """This rank's contiguous share of the global batch, cut into micro batches.
+
+        Every rank gets as many micro batches as the largest share needs (`Config.grad_accum_steps`):
+        under ZeRO-3 all ranks run each forward and backward pass together. A rank one sample short of
+        that ends with `[None]`: a slot for a label-less stand-in, which trains on nothing.
+        """
+        shares = self.shares(world_size)
+        start = sum(shares[:rank])
+        mine: list[int | None] = self.global_batch(step)[start : start + shares[rank]]
+        micro = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+        count = -(-shares[0] // micro_batch_size)
+        return micro + [[None] for _ in range(count - len(micro))]

@@ -38,7 +38,8 @@ def _write_chat_jsonl(folder, digits, rows: int, kinds: dict[int, str], image_to
       image ("2 image placeholders, 1 images");
     - "corrupt": an image file that does not decode;
     - "literal": no image, and the text holds the model's literal `image_token` (the processor refuses a
-      text whose image tokens have no image)."""
+      text whose image tokens have no image);
+    - "video": LLaMA-Factory's video row, a `<video>` tag in string content and `videos`."""
     table = pq.read_table(digits[0]).slice(0, rows).to_pylist()
     lines = []
     for i, row in enumerate(table):
@@ -55,6 +56,14 @@ def _write_chat_jsonl(folder, digits, rows: int, kinds: dict[int, str], image_to
             {"role": "user", "content": question},
             {"role": "assistant", "content": [{"type": "text", "text": row["answer"]}]},
         ]
+        if kind == "video":
+            (folder / f"{i}.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+            messages = [
+                {"role": "user", "content": f"<video>{row['prompt']}"},
+                {"role": "assistant", "content": row["answer"]},
+            ]
+            lines.append(json.dumps({"messages": messages, "videos": [f"{i}.mp4"]}))
+            continue
         if kind == "mismatch":
             messages = [
                 {"role": "user", "content": f"<image><image>{row['prompt']}"},
@@ -64,6 +73,15 @@ def _write_chat_jsonl(folder, digits, rows: int, kinds: dict[int, str], image_to
     path = folder / "rows.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return str(path)
+
+
+def test_a_source_with_a_video_row_is_refused_however_few(tiny_models, digits, tmp_path):
+    """One video row in 40 is under data.max_bad_fraction, but it would be skipped at every step and
+    never trained: the preflight refuses it, saying why (the video processor needs torchvision)."""
+    data = _write_chat_jsonl(tmp_path, digits, 40, {7: "video"})
+    cfg = _cfg(tiny_models("qwen2_vl"), data, tmp_path, "data.max_bad_fraction=0.5")
+    with pytest.raises(ConfigError, match=r"row 7: a video row: raylora trains on images only.*torchvision"):
+        preflight(cfg)
 
 
 def _cfg(model, data, tmp_path, *overrides: str):

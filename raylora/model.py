@@ -25,12 +25,23 @@ def build_model(cfg: Config, arch: Architecture, ds_config: dict) -> tuple[peft.
     zero3 = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained: it is how transformers sees ZeRO-3
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     model_dir = hub.resolve(cfg.model.path, cfg.model.revision)
-    model = auto_model_class(remote_code(model_dir)).from_pretrained(
+    model, loading = auto_model_class(remote_code(model_dir)).from_pretrained(
         model_dir,
         dtype=dtype,
         attn_implementation=cfg.model.attn_implementation,
         trust_remote_code=cfg.model.trust_remote_code,
+        output_loading_info=True,
     )
+    # transformers initialises a weight the files lack at random and only warns: a base model trained so
+    # would look fine and be wrong (a remote-code class whose names differ from its files', a partial copy)
+    if loading["missing_keys"]:
+        missing = sorted(loading["missing_keys"])
+        unexpected = sorted(loading["unexpected_keys"])
+        raise ConfigError(
+            f"model.path: {model_dir}: {len(missing)} weight(s) of the model are not in its files and would "
+            f"be initialised at random: {', '.join(missing[:5])}"
+            + (f"; the files hold instead: {', '.join(unexpected[:5])}" if unexpected else "")
+        )
     prepare_for_training(model, cfg)
     return add_lora(model, cfg, arch), zero3
 

@@ -286,10 +286,20 @@ REMOTE_PARTS = (
 )
 
 
-def make_remote_code_model(llava_dir: str | Path, out: Path) -> Path:
+def make_remote_code_model(llava_dir: str | Path, out: Path, legacy_names: bool = False) -> Path:
     """A copy of a tiny Llava folder (same weights) that carries its own modeling file, as a Hub folder
-    with remote code does: `modeling_remote_vlm.py` and config.json's `auto_map` naming its classes."""
+    with remote code does: `modeling_remote_vlm.py` and config.json's `auto_map` naming its classes.
+
+    Its weights are saved under the names of its modules, as a remote-code model's files are. With
+    `legacy_names` they keep the names transformers writes for Llava (`language_model.lm_head.weight`),
+    which only Llava's own model type maps back: the remote class then lacks its lm_head."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForImageTextToText
+
     shutil.copytree(llava_dir, out)
+    if not legacy_names:
+        state = AutoModelForImageTextToText.from_pretrained(llava_dir).state_dict()
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
     (out / "modeling_remote_vlm.py").write_text(REMOTE_MODELING)
     config = json.loads((out / "config.json").read_text())
     config.update(

@@ -50,3 +50,19 @@ def test_with_trust_remote_code_the_preflight_builds_it_from_its_own_code(remote
     assert type(model_config).__name__ == "RemoteVlmConfig"  # the folder's class, not transformers'
     trained = expected_trainable(cfg)  # the meta-device model, built from the folder's code
     assert any(".lora_A." in n for n in trained) and any(n.startswith("model.vision_tower.") for n in trained)
+
+
+def test_weights_the_files_lack_are_refused_not_initialised_at_random(tiny_models, digits, tmp_path):
+    """transformers only warns when a weight is missing from the files; raylora refuses the model."""
+    from raylora.arch import for_model
+    from raylora.model import build_model
+
+    model = make_remote_code_model(tiny_models("llava"), tmp_path / "legacy", legacy_names=True)
+    cfg = tiny_run_config(model, digits[0], tmp_path, "legacy", *REMOTE_PARTS)
+    arch = for_model(str(model), cfg.model)
+    with pytest.raises(ConfigError, match=r"lm_head.weight.*language_model.lm_head.weight"):
+        build_model(cfg, arch, {"zero_optimization": {"stage": 0}})
+    fine = make_remote_code_model(tiny_models("llava"), tmp_path / "named")
+    cfg = tiny_run_config(fine, digits[0], tmp_path, "named", *REMOTE_PARTS)
+    built, _ = build_model(cfg, for_model(str(fine), cfg.model), {"zero_optimization": {"stage": 0}})
+    assert type(built.base_model.model).__name__ == "RemoteVlmForConditionalGeneration"

@@ -21,7 +21,7 @@ import torch
 
 from raylora import config
 from raylora.config import ConfigError
-from raylora.data import formats
+from raylora.data import formats, records
 from raylora.data.formats import BadRow, check_source, load_image, open_rows
 from raylora.data.sample import Sample
 from tests.support import final_checkpoint as _final
@@ -80,8 +80,8 @@ def write_sources(train_parquet: str | Path, out: Path, rows: int = ROWS) -> dic
     # the peers' layouts (tests/test_peer_formats.py has their documented rows): the question with an
     # <image> tag in string content, the images in a list beside it
     tagged, listed = [f"<image>{p}" for p in prompts], [[f"images/{i}.png"] for i in range(rows)]
-    swift = [
-        {"query": q, "response": a, "images": im} for q, a, im in zip(tagged, answers, listed, strict=True)
+    swift = [  # ms-swift's query/response, its single image under `image`
+        {"query": q, "response": a, "image": im[0]} for q, a, im in zip(tagged, answers, listed, strict=True)
     ]
     mllm = [
         {"messages": [{"content": q, "role": "user"}, {"content": a, "role": "assistant"}], "images": im}
@@ -191,7 +191,7 @@ def test_reads_row_groups_when_used_and_keeps_few(sources):
     assert not rows.records.__dict__.get("_cache"), "opening read rows"
     for i in range(ROWS):
         rows.sample(i)
-    assert len(rows.records._cache) == formats.ROW_GROUP_CACHE
+    assert len(rows.records._cache) == records.ROW_GROUP_CACHE
     assert len(pickle.dumps(rows)) < 4096  # a copy carries the footers' offsets, not the rows
 
 
@@ -389,9 +389,9 @@ def reference(ray_cluster, tiny_models, sources, tmp_path_factory):
 # Chat JSONL is killed and resumed in tests/test_batches.py, with multi-turn, multi-image and text-only rows.
 # The others read the same samples (test_every_format_reads_the_same_samples); one run per reader family:
 # LLaMA-Factory's dataset_info.json (string content, <image> tags), sharegpt conversations (the llava
-# reader too), alpaca (ms-swift's query/response too), OpenAI-style data: URL parts, and a save_to_disk
-# folder in LLaMA-Factory's Hub layout.
-@pytest.mark.parametrize("name", ["llamafactory", "sharegpt", "alpaca", "openai", "save_to_disk"])
+# reader too), alpaca, ms-swift's query/response with its single `image`, OpenAI-style data: URL parts,
+# and a save_to_disk folder in LLaMA-Factory's Hub layout.
+@pytest.mark.parametrize("name", ["llamafactory", "sharegpt", "alpaca", "swift", "openai", "save_to_disk"])
 def test_each_format_resumes_to_the_reference_weights(name, reference, sources, tiny_models):
     from raylora.driver import run
     from raylora.progress import read_metrics

@@ -591,3 +591,41 @@ def test_tag_and_image_counts_that_differ_are_bad_rows(tmp_path):
     rows = open_rows(str(write_jsonl(tmp_path / "m.jsonl", [{**row, "images": ["a.png"]}])))
     with pytest.raises(BadRow, match="2 image placeholders, 1 images"):
         rows.sample(0)
+
+
+def test_batches_put_each_image_where_its_tag_stood(llamafactory_data, tiny_models, tmp_path):
+    """Through the model's processor (Qwen2-VL's template, a byte-level BPE that decodes back to the exact
+    text): every tag of a peer's string content is the image's tokens at that place in the batch."""
+    import re
+
+    from raylora.data.batches import make_batch
+    from tests.test_labels import hub_like_processor
+
+    processor = hub_like_processor(tiny_models("qwen2_vl"), "qwen2_vl", tmp_path / "qwen")
+    picture(tmp_path / "x.png", BLUE)
+    swift = {  # ms-swift's two-image row, and an alpaca row with history (LLaMA-Factory's layout)
+        "messages": [
+            {"role": "user", "content": "<image>First,<image> then what is different?"},
+            {"role": "assistant", "content": "Colour."},
+        ],
+        "images": ["x.png", "x.png"],
+    }
+    alpaca = {"instruction": "Look:<image>", "input": "which colour?", "output": "Blue.", "images": ["x.png"]}
+    sources = [
+        (str(llamafactory_data / "dataset_info.json") + "#mllm_demo", MLLM_DEMO[0]["messages"]),
+        (str(write_jsonl(tmp_path / "swift.jsonl", [swift])), swift["messages"]),
+        (str(write_jsonl(tmp_path / "alpaca.jsonl", [alpaca])), [{"content": "Look:<image>\nwhich colour?"}]),
+    ]
+    image = re.escape("<|vision_start|>") + f"(?:{re.escape('<|image_pad|>')})+" + re.escape("<|vision_end|>")
+    for uri, turns in sources:
+        decoded = read(open_rows(uri), 0)
+        batch = make_batch(processor, [decoded])
+        text = processor.tokenizer.decode(batch["input_ids"][0])
+        tags = 0
+        for turn in turns:
+            if "<image>" in turn["content"]:
+                # a tag's own line break goes with it (LLaVA's "<image>\n"; README: Data formats)
+                pieces = re.split(r"\n?<image>\n?", turn["content"])
+                tags += len(pieces) - 1
+                assert re.search(image.join(re.escape(p) for p in pieces), text), (uri, text)
+        assert len(re.findall(image, text)) == tags == batch["image_grid_thw"].shape[0] == len(decoded[1])

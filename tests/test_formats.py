@@ -121,8 +121,8 @@ def write_sources(train_parquet: str | Path, out: Path, rows: int = ROWS) -> dic
         }
         for image, p, a in zip(images, prompts, answers, strict=True)
     ]
-    for name, records in [("sharegpt", sharegpt), ("alpaca", alpaca), ("openai", openai), ("swift", swift)]:
-        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for name, layout in [("sharegpt", sharegpt), ("alpaca", alpaca), ("openai", openai), ("swift", swift)]:
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in layout))
     return {
         "raylora": {"uri": out / "raylora.parquet", "format": "raylora", "overrides": []},
         "chat_parquet": {"uri": out / "chat.parquet", "format": "chat", "overrides": []},

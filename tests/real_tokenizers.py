@@ -148,16 +148,24 @@ LLAVA_15_TEMPLATE = (
     "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
-# Qwen/Qwen2-VL-*-Instruct: a default system prompt when the conversation has none.
+# Qwen/Qwen2-VL-7B-Instruct's chat_template.json (Qwen2.5-VL-7B-Instruct's is the same): a default system
+# prompt when the conversation has none.
 QWEN2_VL_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant."
-    "<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' %}{% set image_count.value = image_count.value + 1 %}"
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
     "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}"
-    "{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # HuggingFaceTB/SmolVLM-* (Idefics3): "User:<image>...<end_of_utterance>\nAssistant: ..."

@@ -255,6 +255,21 @@ def tensorboard_scalars(logdir: str | Path) -> dict[str, dict[int, float]]:
     return scalars
 
 
+def labelled_runs(labels) -> list[tuple[int, int]]:
+    """(start, end) of each run of labelled positions in one row of labels (a list or a 1-D tensor)."""
+    from raylora.data.labels import IGNORE_INDEX
+
+    values = labels.tolist() if hasattr(labels, "tolist") else list(labels)
+    runs, start = [], None
+    for i, label in enumerate([*values, IGNORE_INDEX]):
+        if label != IGNORE_INDEX and start is None:
+            start = i
+        elif label == IGNORE_INDEX and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
 def final_checkpoint(result):
     """The final checkpoint of a finished run (a `ray.train.Result`), read with raylora.checkpoint."""
     from raylora import checkpoint

@@ -20,7 +20,7 @@ from raylora.data.formats import open_rows
 from raylora.data.labels import IGNORE_INDEX, check_chat_template, encode, end_of_turn_ids
 from raylora.data.processor import load_processor
 from raylora.data.sampler import GlobalSampler
-from tests.support import straight_and_killed, tiny_run_config
+from tests.support import labelled_runs, straight_and_killed, tiny_run_config
 
 # How each tiny model's chat template ends an assistant turn (raylora/tiny_text.py), written out here so
 # that the labels are checked against the templates, not against the code under test.
@@ -67,18 +67,6 @@ SAMPLES = [MULTI_TURN, TWO_IMAGES, TEXT_ONLY]
 ANSWERS = [["seven", "three , a"], ["one"], ["nine"]]
 
 
-def _labelled_runs(labels: torch.Tensor) -> list[tuple[int, int]]:
-    """(start, end) of each run of labelled positions in one row."""
-    runs, start = [], None
-    for i, label in enumerate(labels.tolist() + [IGNORE_INDEX]):
-        if label != IGNORE_INDEX and start is None:
-            start = i
-        elif label == IGNORE_INDEX and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_labels_cover_exactly_every_assistant_turn(arch, tiny_models):
     processor = load_processor(tiny_models(arch))
@@ -86,7 +74,7 @@ def test_labels_cover_exactly_every_assistant_turn(arch, tiny_models):
     batch = make_batch(processor, SAMPLES)
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
     for row, ids, answers in zip(batch["labels"], batch["input_ids"], ANSWERS, strict=True):
-        runs = _labelled_runs(row)
+        runs = labelled_runs(row)
         # each assistant turn's text and its end-of-turn token, and nothing else (decoded back to text)
         assert [tok.decode(ids[a:b]) for a, b in runs] == [f"{t} {END_OF_TURN[arch]}" for t in answers]
         assert torch.equal(row[row != IGNORE_INDEX], ids[row != IGNORE_INDEX])
@@ -97,7 +85,7 @@ def test_labels_cover_exactly_every_assistant_turn(arch, tiny_models):
         prompts["input_ids"], prompts["attention_mask"], batch["input_ids"], batch["labels"], strict=True
     ):
         assert mask[-1] == 1 and (mask.cumsum(0) > 0).sum() == mask.sum()  # padded on the left
-        last_answer_starts = _labelled_runs(row)[-1][0]
+        last_answer_starts = labelled_runs(row)[-1][0]
         assert torch.equal(ids[mask.bool()], train_ids[:last_answer_starts])
     assert tok.convert_ids_to_tokens(end_of_turn_ids(processor))[-1] == END_OF_TURN[arch]
 

@@ -23,6 +23,7 @@ from PIL import Image
 
 import raylora.data.processor as processor_module
 from raylora.assets import make_tiny_model
+from tests.real_tokenizers import LLAVA_15_TEMPLATE, QWEN2_VL_TEMPLATE
 
 CORPUS = [
     "You are a helpful assistant.",
@@ -38,36 +39,6 @@ PROCESSOR_CLASS = {
     "llava": "LlavaProcessor",
 }
 
-# Qwen2-VL-7B-Instruct's chat template (Qwen2.5-VL-7B-Instruct's is the same), from its chat_template.json.
-QWEN2_VL_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
-    "<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}"
-    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}"
-    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# llava-hf/llava-1.5-7b-hf's chat_template.json: images first, each text plus a space, no </s>.
-LLAVA_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
-    "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
-    "{{ '<image>\n' }}{% endfor %}{% if message['role'] != 'assistant' %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
-    "{{ content['text'] + ' '}}{% endfor %}{% else %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
-    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
-)
 # Qwen2-VL's added tokens, in their Hub order (ids follow the BPE vocabulary), shrunk to the ones in use.
 QWEN_SPECIALS = [
     "<|endoftext|>",
@@ -264,7 +235,7 @@ def hub_folder(tiny: Path, out: Path, arch: str, template: str, tokenizer_files:
         tokenizer_config = _llava_files(out)
     else:
         tokenizer_config = _qwen_files(out, arch, tokenizer_files, video)
-    chat_template = LLAVA_TEMPLATE if arch == "llava" else QWEN2_VL_TEMPLATE
+    chat_template = LLAVA_15_TEMPLATE if arch == "llava" else QWEN2_VL_TEMPLATE
     if template == "chat_template.json":
         _write_json(out / template, {"chat_template": chat_template})
     elif template == "chat_template.jinja":

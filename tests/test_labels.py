@@ -12,10 +12,11 @@ import torch
 from PIL import Image
 
 from raylora.data.batches import make_batch
-from raylora.data.labels import IGNORE_INDEX, encode, end_of_turn_ids
+from raylora.data.labels import encode, end_of_turn_ids
 from raylora.data.processor import load_processor
 from raylora.tiny_text import GEMMA3_TOKENS, IDEFICS3_TOKENS
 from tests import real_tokenizers as rt
+from tests.support import labelled_runs
 
 # arch: (tokenizer, the model card's template, the stop token, whether raylora adds it)
 FAMILIES = {
@@ -66,17 +67,6 @@ def hub_like_processor(tiny_folder: str, arch: str, out: Path):
     return load_processor(out)
 
 
-def _runs(labels: list[int]) -> list[tuple[int, int]]:
-    runs, start = [], None
-    for i, label in enumerate([*labels, IGNORE_INDEX]):
-        if label != IGNORE_INDEX and start is None:
-            start = i
-        elif label == IGNORE_INDEX and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
-
-
 @pytest.fixture(scope="module")
 def processors(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("hub_like")
@@ -92,7 +82,7 @@ def test_labels_are_the_answers_and_their_stop_token_in_the_whole_tokenisation(a
     for (messages, images), answers in zip(SAMPLES, [ANSWERS, ["1 2 3"]], strict=True):
         row = encode(processor, (messages, images))
         ids, labels = row.tokens["input_ids"], row.labels
-        runs = _runs(labels)
+        runs = labelled_runs(labels)
         assert len(runs) == len(answers)
         for (a, b), answer in zip(runs, answers, strict=True):
             assert ids[b - 1] == stop_id and labels[a:b] == ids[a:b]
@@ -115,7 +105,7 @@ def test_sentencepiece_answer_tokens_are_the_ones_inference_continues_into(proce
     tok = processor.tokenizer
     messages, images = SAMPLES[0]
     row = encode(processor, (messages, images))
-    (a, b), _ = _runs(row.labels)
+    (a, b), _ = labelled_runs(row.labels)
     answer = tok.convert_ids_to_tokens(row.tokens["input_ids"][a : b - 1])
     assert answer == ["▁seven"]  # a piece tokenised alone would be ['▁', '▁seven']
 
@@ -129,5 +119,5 @@ def test_generation_prompt_is_the_training_prefix(arch, processors):
     for ids, mask, train_ids, labels in zip(
         prompts["input_ids"], prompts["attention_mask"], batch["input_ids"], batch["labels"], strict=True
     ):
-        last = _runs(labels.tolist())[-1][0]
+        last = labelled_runs(labels.tolist())[-1][0]
         assert torch.equal(ids[mask.bool()], train_ids[:last])

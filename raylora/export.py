@@ -54,7 +54,8 @@ def _write_merged(folder: Path, out: Path, model_path: str) -> None:
 
     # Merge in fp32 so that W + BA is exact up to fp32 rounding, then save in the base model's dtype
     # (a bf16 7B model stays 14 GB on disk).
-    base_dtype = AutoConfig.from_pretrained(model_path).dtype
+    trust = bool(checkpoint.read_state(folder).config["model"].get("trust_remote_code"))
+    base_dtype = AutoConfig.from_pretrained(model_path, trust_remote_code=trust).dtype
     model, processor = load_for_inference(folder, model_path)
     merged = model.merge_and_unload()
     if isinstance(base_dtype, torch.dtype) and base_dtype.is_floating_point:

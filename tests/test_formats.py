@@ -414,28 +414,26 @@ def test_each_format_resumes_to_the_reference_weights(name, reference, sources, 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_remote_code_model_resumes_to_the_reference_weights_and_exports(
-    reference, sources, tiny_models, tmp_path
-):
+def test_remote_code_model_resumes_bitwise_and_exports(ray_cluster, sources, tiny_models, tmp_path):
     """A model folder with its own modeling code (tests/test_remote_code.py; Llava's classes and weights
-    under another model type) trains through the remote-code path exactly as the reference run does."""
+    under another model type), trained through the remote-code path: killed and resumed, it ends equal to
+    its own uninterrupted run, bit for bit, and exports merged with its modeling file."""
     from transformers import AutoModelForImageTextToText
 
     from raylora import cli
-    from raylora.driver import run
-    from tests.support import REMOTE_PARTS, make_remote_code_model, tiny_run_config
+    from tests.support import REMOTE_PARTS, make_remote_code_model, straight_and_killed
 
-    storage, expected = reference
     model = make_remote_code_model(tiny_models("llava"), tmp_path / "remote")
-    overrides = [*STEPS, *REMOTE_PARTS, f"fault.kill_at_steps={KILL_AT}"]
-    result = run(tiny_run_config(model, sources["raylora"]["uri"], storage, "killed-remote", *overrides))
-    assert result.error is None
-    got = _final(result)
+    straight, killed = straight_and_killed(
+        model, sources["raylora"]["uri"], tmp_path / "runs", KILL_AT, *STEPS, *REMOTE_PARTS
+    )
+    expected, got = _final(straight), _final(killed)
     assert got.state.restarts == 1 and got.state.step == 4 and got.state.arch == "raylora_remote_vlm"
+    assert got.weights.keys() == expected.weights.keys()
     for key, value in expected.weights.items():
-        assert torch.equal(value, got.weights[key]), f"remote code: {key} differs from the Llava run"
+        assert torch.equal(value, got.weights[key]), f"remote code: {key} differs after the resume"
     out = tmp_path / "merged"
-    with result.checkpoint.as_directory() as folder:
+    with killed.checkpoint.as_directory() as folder:
         assert cli.main(["export", folder, "--out", str(out), "--merge"]) == 0
     assert (out / "modeling_remote_vlm.py").is_file()  # the merged folder carries the model's code too
     merged = AutoModelForImageTextToText.from_pretrained(out, trust_remote_code=True)

@@ -39,6 +39,20 @@ def tiny_models(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def s3():
+    """A real S3 endpoint on 127.0.0.1 (tests.support.S3Server) with its environment put into this
+    process's, so that pyarrow's S3 client here and in every Ray started afterwards reaches it."""
+    from tests.support import S3Server
+
+    server = S3Server()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in server.env.items():
+            mp.setenv(key, value)
+        yield server
+    server.stop()
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A local Ray shared by the distributed tests (4 logical CPUs on 2 cores: 2 workers plus headroom).

@@ -52,6 +52,70 @@ def start_ray(num_cpus: int | None = None, env_vars: dict[str, str] | None = Non
     return ray
 
 
+class S3Server:
+    """A real S3 endpoint on 127.0.0.1: moto's server mode, an HTTP S3 API that pyarrow's S3 client (and
+    so Ray Train's checkpoint upload) talks to as it talks to AWS. `env` is what a process needs to reach it
+    (endpoint, any credentials, a region); `bucket` exists."""
+
+    def __init__(self, bucket: str = "raylora-test"):
+        import socket
+        import subprocess
+        import time
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        moto = Path(sys.executable).parent / "moto_server"
+        self.process = subprocess.Popen(
+            [str(moto), "-H", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self.bucket = bucket
+        self.env = {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_ACCESS_KEY_ID": "raylora",
+            "AWS_SECRET_ACCESS_KEY": "raylora",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("moto_server did not start") from None
+                time.sleep(0.1)
+        self.fs().create_dir(bucket)  # pyarrow creates a bucket for a top-level folder
+
+    def fs(self):
+        """pyarrow's S3 client, pointed at this server."""
+        import pyarrow.fs
+
+        return pyarrow.fs.S3FileSystem(
+            endpoint_override=self.env["AWS_ENDPOINT_URL"],
+            access_key=self.env["AWS_ACCESS_KEY_ID"],
+            secret_key=self.env["AWS_SECRET_ACCESS_KEY"],
+            region=self.env["AWS_DEFAULT_REGION"],
+            allow_bucket_creation=True,
+        )
+
+    def uri(self, *parts: str) -> str:
+        return "s3://" + "/".join([self.bucket, *parts])
+
+    def upload(self, local: str | Path, *parts: str) -> str:
+        """Copy a local file to `s3://bucket/parts...`; returns its URI."""
+        key = "/".join([self.bucket, *parts])
+        with self.fs().open_output_stream(key) as f:
+            f.write(Path(local).read_bytes())
+        return "s3://" + key
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
 def tiny_run_config(
     model_dir: str | Path, train_file: str | Path, storage: str | Path, name: str, *overrides: str
 ):

@@ -23,4 +23,13 @@ finally:
     if _hidden:
         del sys.modules["mlflow"]
 
-__all__ = ["ZeroParamStatus", "deepspeed"]
+# DeepSpeed's communication backend loads its CPU shared-memory op (`deepspeed_shm_comm`) at
+# `init_distributed`, compiling it with ninja on first use (about a minute on 2 cores, again whenever
+# the virtualenv's path or compiler changes), for `inference_all_reduce` alone: DeepSpeed's inference
+# engine, which raylora never runs (training reduces through torch.distributed). Marked incompatible,
+# the backend skips it (`build_shm_op` returns None) and every collective raylora uses is unchanged.
+SKIPPED_OPS = ("deepspeed_shm_comm",)
+for _name in SKIPPED_OPS:
+    deepspeed.ops.__compatible_ops__[_name] = False
+
+__all__ = ["SKIPPED_OPS", "ZeroParamStatus", "deepspeed"]

@@ -231,3 +231,15 @@ def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_still_imports_afte
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_workers_skip_deepspeeds_inference_shm_op():
+    """raylora.ds marks DeepSpeed's CPU shared-memory op (inference_all_reduce only) incompatible, so a
+    worker's init_distributed neither compiles nor loads it; fails loudly if DeepSpeed renames the op."""
+    from deepspeed.comm.torch import build_shm_op
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    from raylora.ds import SKIPPED_OPS
+
+    assert ShareMemCommBuilder.NAME in SKIPPED_OPS
+    assert build_shm_op() is None

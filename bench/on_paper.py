@@ -3,11 +3,15 @@
 llava-1.5-7b (CLIP ViT-L/14-336 + Llama-2-7B + 2-layer MLP projector) and Qwen2-VL-7B-Instruct, built
 from config classes with no weights (`torch.device("meta")`), LoRA r=16 on every linear layer of the
 language model exactly as raylora's workers add it (`raylora.model.meta_model`, `mark_trained`), vision
-tower and aligner frozen, then trained. Bytes are computed, not measured; the assumptions are in the JSON.
+tower and aligner frozen, then trained. Then the memory per GPU of the shipped job configs (activations and
+ZeRO-3's shares as DeepSpeed 0.19 allocates them) and what keeping the frozen base resident
+(`train.param_persistence_threshold`) costs in memory and saves in all-gathers. Bytes are computed, not
+measured; the assumptions are in the JSON.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -216,8 +220,19 @@ def vit_block_bytes(d: int, m: int, trained: bool) -> dict:
     return {"formula": formula, "d": d, "m": m, "terms": terms, "bytes": sum(terms.values())}
 
 
+# DeepSpeed 0.19's stage3_max_live_parameters and reduce_bucket_size defaults (raylora sets neither)
+MAX_LIVE, REDUCE_BUCKET = 10**9, 5 * 10**8
+
+
 def zero3_shares(model_config, arch_name: str, cfg) -> dict:
-    """Bytes per GPU of ZeRO-3's parameter, gradient and optimizer partitions for run config `cfg`."""
+    """Bytes per GPU of ZeRO-3's parameter, gradient and optimizer partitions for run config `cfg`.
+
+    As DeepSpeed 0.19 allocates them (runtime/zero/stage3.py, partition_parameters.py): a parameter of
+    at most stage3_param_persistence_threshold elements stays whole on every rank beside its partition;
+    with contiguous_gradients (raylora's config) the gradient bucket is one buffer of the whole
+    reduce_bucket_size, allocated at start in the communication dtype (fp32: raylora reduces in fp32
+    under bf16, and an fp32 model is fp32), however few parameters are trained.
+    """
     from raylora.arch import REGISTRY
     from raylora.model import mark_trained, meta_model
 
@@ -225,20 +240,49 @@ def zero3_shares(model_config, arch_name: str, cfg) -> dict:
     model = meta_model(cfg, arch, model_config)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in mark_trained(model, arch, cfg).values())
-    persistent = sum(
-        p.numel() for p in model.parameters() if p.numel() < cfg.train.param_persistence_threshold
-    )
-    live, bucket = 10**9, 5 * 10**8  # DeepSpeed 0.19's stage3_max_live_parameters, reduce_bucket_size
+    threshold = cfg.train.param_persistence_threshold
+    persistent = sum(p.numel() for p in model.parameters() if p.numel() <= threshold)
+    gathered = min(MAX_LIVE, total - persistent)  # the persistent ones are never gathered on demand
     shares = {
         f"bf16 parameters, 1/{world} partition (2 x {total:,} / {world})": 2 * total / world,
-        f"parameters under the persistence threshold, whole (2 x {persistent:,})": 2 * persistent,
-        f"gathered parameters, at most stage3_max_live_parameters (2 x {live:,})": 2 * min(live, total),
+        f"persistent parameters (at most the threshold's elements), whole (2 x {persistent:,})": 2
+        * persistent,
+        f"gathered parameters, at most stage3_max_live_parameters (2 x {gathered:,})": 2 * gathered,
         f"fp32 masters + Adam moments, 1/{world} (12 x {trainable:,} / {world})": 12 * trainable / world,
         f"fp32 gradient partition (4 x {trainable:,} / {world})": 4 * trainable / world,
-        f"fp32 reduce bucket, at most reduce_bucket_size (4 x min({bucket:,}, trainable))": 4
-        * min(bucket, trainable),
+        f"fp32 gradient bucket, the whole reduce_bucket_size at start (4 x {REDUCE_BUCKET:,})": 4
+        * REDUCE_BUCKET,
     }
-    return {"params": total, "trainable_params": trainable, "world_size": world, "bytes": shares}
+    return {
+        "params": total,
+        "trainable_params": trainable,
+        "persistent_params": persistent,
+        "param_persistence_threshold": threshold,
+        "largest_param": max(p.numel() for p in model.parameters()),
+        "world_size": world,
+        "bytes": shares,
+    }
+
+
+def base_all_gathers(shares: dict, accumulation: int) -> dict:
+    """Bytes each rank receives per optimizer step to gather the base parameters, on paper.
+
+    Not persistent: gathered for every use, at least twice per micro batch (the forward pass, then the
+    backward pass with its recomputation: DeepSpeed keeps a layer gathered between the two when its next
+    use comes within stage3_max_reuse_distance, 1e9 elements; three times if it does not). Persistent:
+    gathered once per optimizer step (stage3.py releases every parameter before the step,
+    `_partition_all_parameters`, and gathers the persistent ones again after it, `_post_step`).
+    """
+    world = shares["world_size"]
+    received = (world - 1) / world * 2  # bf16: each rank receives the other ranks' partitions
+    on_demand = shares["params"] - shares["persistent_params"]
+    return {
+        "micro_batches_per_step": accumulation,
+        "gathers_per_step_on_demand": 2 * accumulation,
+        "on_demand_gb": 2 * accumulation * received * on_demand / GB,
+        "persistent_gb": received * shares["persistent_params"] / GB,
+        "total_gb": (2 * accumulation * received * on_demand + received * shares["persistent_params"]) / GB,
+    }
 
 
 def stack_bytes(per_item: int, width: int, layers: int, items: int, gc: bool) -> int:
@@ -276,6 +320,14 @@ def memory_per_gpu(name: str, model_config, arch_name: str) -> dict:
         patches_per_token, extra_patches = vision.spatial_merge_size**2, 0
     vit = vit_block_bytes(d, m, trained=not cfg.train.freeze_vision)
     shares = zero3_shares(model_config, arch_name, cfg)
+    # train.param_persistence_threshold at the largest parameter (the embedding or lm_head): every
+    # parameter persistent, the whole frozen base resident on every GPU
+    largest = shares["largest_param"]
+    resident_cfg = dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, param_persistence_threshold=largest)
+    )
+    resident = zero3_shares(model_config, arch_name, resident_cfg)
+    accumulation = cfg.grad_accum_steps(cfg.world_size)
     b, s = cfg.train.micro_batch_size, cfg.data.max_length
     scenarios = {  # name: (gradient checkpointing, image tokens, sample tokens)
         "shipped": (cfg.gradient_checkpointing, tokens_per_image["shipped"], s),
@@ -299,6 +351,7 @@ def memory_per_gpu(name: str, model_config, arch_name: str) -> dict:
             f"answer logits: {b} x {ANSWER_TOKENS} answer tokens x {vocab:,} x 10 B": logits_bytes,
         }
         total = sum(act.values()) + sum(shares["bytes"].values()) + RUNTIME_OVERHEAD_GB * GB
+        total_resident = sum(act.values()) + sum(resident["bytes"].values()) + RUNTIME_OVERHEAD_GB * GB
         rows[label] = {
             "gradient_checkpointing": gc,
             "micro_batch": b,
@@ -309,6 +362,8 @@ def memory_per_gpu(name: str, model_config, arch_name: str) -> dict:
             "logits_of_every_position_would_be_gb": tokens * vocab * 10 / GB,
             "total_gb": total / GB,
             "fits": {f"{c} GB": total <= c * GB for c in CARDS_GB},
+            "total_gb_base_resident": total_resident / GB,
+            "fits_base_resident": {f"{c} GB": total_resident <= c * GB for c in CARDS_GB},
         }
     return {
         "model": name,
@@ -317,6 +372,17 @@ def memory_per_gpu(name: str, model_config, arch_name: str) -> dict:
         "vision_block_bytes_per_patch": vit,
         "zero3_shares": shares,
         "zero3_shares_gb": sum(shares["bytes"].values()) / GB,
+        "base_all_gathers_per_step": base_all_gathers(shares, accumulation),
+        "base_resident": {
+            "setting": f"train.param_persistence_threshold={largest}",
+            "why": "the largest parameter's element count: every parameter persistent, so the frozen bf16 "
+            "base stays whole on every GPU beside its partition, and is gathered once per optimizer step "
+            "instead of at every use",
+            "zero3_shares": resident,
+            "zero3_shares_gb": sum(resident["bytes"].values()) / GB,
+            "extra_gb_per_gpu": (sum(resident["bytes"].values()) - sum(shares["bytes"].values())) / GB,
+            "base_all_gathers_per_step": base_all_gathers(resident, accumulation),
+        },
         "runtime_overhead_gb_allowed": RUNTIME_OVERHEAD_GB,
         "scenarios": rows,
         "assumptions": [
@@ -324,7 +390,8 @@ def memory_per_gpu(name: str, model_config, arch_name: str) -> dict:
             f"{ANSWER_TOKENS} answer tokens per sample for the logits raylora computes (answer positions)",
             "left out: the aligner's activations (under 1% here), attention kernel workspaces, the CUDA "
             f"context and allocator fragmentation (the {RUNTIME_OVERHEAD_GB:g} GB allowance)",
-            "gathered parameters and the reduce bucket are DeepSpeed's upper bounds, not typical use",
+            "gathered parameters are DeepSpeed's upper bound, not typical use; the gradient bucket is "
+            "allocated whole at start",
         ],
     }
 

@@ -145,13 +145,20 @@ class TrainConfig:
     freeze_aligner: bool = True
     """Keep the aligner (projector) frozen; false trains it fully."""
     param_persistence_threshold: int = 100_000
-    """ZeRO-3 keeps parameters smaller than this gathered (DeepSpeed's stage3_param_persistence_threshold)."""
+    """ZeRO-3 keeps parameters of at most this many elements whole on every rank, gathered once per
+    optimizer step instead of at every use (DeepSpeed's stage3_param_persistence_threshold); at the largest
+    parameter's size or more, the whole frozen base stays resident (README: Memory)."""
     precision: str | None = None
     """`bf16` (bf16 weights and activations, fp32 masters, Adam moments, gradient accumulation and
     reduction) or `fp32`; unset: bf16 with scaling.use_gpu, fp32 without. Independent of the device."""
     gradient_checkpointing: bool | None = None
     """Recompute each layer's activations in the backward pass (language model and vision tower) instead
     of keeping them; unset: on with scaling.use_gpu, off without."""
+    deterministic: bool = True
+    """Repeatable kernels on GPUs (raylora.determinism): torch's deterministic algorithms (an op that has
+    none raises), a fixed cuBLAS workspace, deterministic cuDNN convolutions and attention backward, so a
+    rerun on the same GPU type and world size should give the same bits. False: the faster
+    nondeterministic kernels, equal up to rounding. On CPUs the tested runs are bitwise equal either way."""
 
 
 @dataclass
@@ -180,6 +187,10 @@ class RunConfig:
     checkpoint_upload: str = "async"
     """How rank 0's checkpoint folder reaches storage: async (uploaded while training goes on; the run
     resumes only from checkpoints whose upload completed) or sync (every rank waits for the upload)."""
+    local_dir: str | None = None
+    """This node's folder for the checkpoints rank 0 writes before Ray uploads them (`raylora-staging/`
+    in it): an absolute path on a fast local disk, such as the NVMe instance store. Unset: the system
+    temporary folder (TMPDIR, else /tmp)."""
     report_every_s: float = 2.0
     """Seconds between the workers' metric reports to Ray Train (each one waits for every worker and for
     the controller's poll); the rows of the steps in between go with the next report, so the metric sinks
@@ -462,6 +473,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.lr and train.vision_lr must be positive, got {t.lr} and {t.vision_lr}")
     if cfg.run.checkpoint_upload not in ("async", "sync"):
         raise ConfigError(f"run.checkpoint_upload must be async or sync, got {cfg.run.checkpoint_upload!r}")
+    local = cfg.run.local_dir
+    if local is not None and (not os.path.isabs(local) or "://" in local):
+        raise ConfigError(f"run.local_dir must be an absolute local path on every node, got {local!r}")
     if cfg.run.report_every_s < 0:
         raise ConfigError(f"run.report_every_s must not be negative, got {cfg.run.report_every_s}")
     if t.warmup_steps < 0 or cfg.run.max_failures < 0:

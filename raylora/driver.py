@@ -43,12 +43,6 @@ def preflight(cfg: Config) -> Architecture:
         )
     arch = for_model(model_dir, cfg.model)
     check_image_caps(model_dir, cfg.data.max_pixels, cfg.data.min_pixels)
-    flash = cfg.model.attn_implementation == "flash_attention_2"
-    if flash and importlib.util.find_spec("flash_attn") is None:
-        raise ConfigError(
-            "model.attn_implementation=flash_attention_2 needs the flash_attn package (pip install "
-            "flash-attn) on every node; it is not importable here. sdpa is PyTorch's own fused attention."
-        )
     _, num_rows = check_source(cfg.data.train, "data.train", cfg.data.format, cfg.data.image_root)
     if num_rows < cfg.train.global_batch_size:
         raise ConfigError(
@@ -73,7 +67,95 @@ def preflight(cfg: Config) -> Architecture:
     rows = open_rows(cfg.data.train, cfg.data.format, cfg.data.image_root)
     check_unread_fields(rows)
     check_sample(cfg, rows, processor)
+    # Last: on a cluster whose GPU nodes are yet to start, it waits for the first one to boot.
+    check_flash_attention(cfg)
     return arch
+
+
+FLASH_ATTENTION_WAIT_S = 1800.0  # an autoscaled GPU node boots and runs cluster.yaml's setup first
+
+
+def flash_attn_status() -> tuple[str, str]:
+    """This node's address, and why flash_attn does not import here ("" when it does)."""
+    node = ray.util.get_node_ip_address()
+    if importlib.util.find_spec("flash_attn") is None:
+        return node, "the flash_attn package is not installed"
+    try:
+        import flash_attn  # noqa: F401
+    except Exception as err:  # a build for another torch or CUDA fails here, not in find_spec
+        return node, f"import flash_attn failed: {type(err).__name__}: {err}"
+    return node, ""
+
+
+# num_gpus=1 places it on a GPU node, where the workers will run, and makes an autoscaler start one
+# when none is up yet (training would wait for that node anyway).
+_flash_attn_on_gpu_node = ray.remote(num_cpus=0, num_gpus=1, max_retries=0)(flash_attn_status)
+
+
+def flash_attention_site(attn_implementation: str, use_gpu: bool, cluster_gpus: float) -> str | None:
+    """Where flash_attn must import: None for another attention kernel; "gpu_node" when training runs on
+    GPUs of a cluster that has GPUs or can add them (its driver may be a CPU head); "here" otherwise,
+    where the workers run in a Ray on this machine or no GPU can be asked."""
+    if attn_implementation != "flash_attention_2":
+        return None
+    return "gpu_node" if use_gpu and cluster_gpus > 0 else "here"
+
+
+def cluster_gpus() -> float:
+    """The GPUs of the Ray this process is connected to, or that its autoscaler can add; 0 with no Ray."""
+    if not ray.is_initialized():
+        return 0.0
+    gpus = ray.cluster_resources().get("GPU", 0.0)
+    try:  # the autoscaler's node types, as Ray Train's own resource check reads them (a private API)
+        from ray._private.state import state
+
+        gpus = max(gpus, (state.get_max_resources_from_cluster_config() or {}).get("GPU", 0))
+    except Exception:  # moved in another Ray: the GPUs that are up still count
+        pass
+    return gpus
+
+
+def check_flash_attention(cfg: Config, timeout_s: float = FLASH_ATTENTION_WAIT_S) -> None:
+    """`ConfigError` when model.attn_implementation=flash_attention_2 and flash_attn does not import where
+    the workers run: on a GPU node of the cluster, by a Ray task, not on the driver (a cluster's CPU head),
+    and here when the cluster has no GPUs. Joins the cluster in RAY_ADDRESS first when flash is asked for."""
+    if cfg.model.attn_implementation != "flash_attention_2":
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        init_ray()  # the cluster the run trains on; run() and tune join it next anyway
+    site = flash_attention_site(cfg.model.attn_implementation, cfg.scaling.use_gpu, cluster_gpus())
+    if site == "here":
+        if importlib.util.find_spec("flash_attn") is None:
+            raise ConfigError(
+                "model.attn_implementation=flash_attention_2 needs the flash_attn package (pip install "
+                "flash-attn) on every node; it is not importable here. sdpa is PyTorch's own fused attention."
+            )
+        return
+    log.info("checking flash_attn on a GPU node (an autoscaler may start one first)")
+    answer = _ask_a_gpu_node(timeout_s)
+    if answer is None:
+        log.warning("no GPU node answered the flash_attn check within %.0f s; not checked", timeout_s)
+        return
+    node, why = answer
+    if why:
+        raise ConfigError(
+            f"model.attn_implementation=flash_attention_2 needs the flash_attn package on every GPU node; "
+            f"on {node}: {why}. cluster.yaml builds it on its GPU nodes with FLASH_ATTN=1 "
+            f"(worker_setup_commands). sdpa is PyTorch's own fused attention."
+        )
+
+
+def _ask_a_gpu_node(timeout_s: float) -> tuple[str, str] | None:
+    """`flash_attn_status` from a task on a GPU node; None when none answered within `timeout_s`."""
+    ref = _flash_attn_on_gpu_node.remote()
+    done, _ = ray.wait([ref], timeout=timeout_s)
+    if not done:
+        ray.cancel(ref, force=True)
+        return None
+    try:
+        return ray.get(ref)
+    except RayError:  # the node left while the check ran
+        return None
 
 
 STORAGE_MARKER = ".raylora-storage-check-"  # + a random token: a file the driver writes, every node reads

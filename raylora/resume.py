@@ -230,10 +230,12 @@ def latest_state(cfg: Config) -> tuple[str, checkpoint.TrainState] | None:
 
 
 def staging_folder(cfg: Config) -> Path:
-    """This node's folder for the checkpoints rank 0 writes before Ray uploads them: one per run (storage
-    path and name), so that an attempt removes what a crashed one left without touching another run's."""
+    """This node's folder for the checkpoints rank 0 writes before Ray uploads them, under `run.local_dir`
+    (unset: the system temporary folder, resolved on this node): one per run (storage path and name), so
+    that an attempt removes what a crashed one left without touching another run's."""
     key = hashlib.sha256(f"{cfg.run.storage_path}/{cfg.run.name}".encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / "raylora-staging" / f"{cfg.run.name}-{key}"
+    local = cfg.run.local_dir or tempfile.gettempdir()
+    return Path(local) / "raylora-staging" / f"{cfg.run.name}-{key}"
 
 
 def new_staging_folder(cfg: Config, step: int) -> str:

@@ -42,7 +42,12 @@ def deepspeed_config(cfg: Config, world_size: int) -> dict:
         "zero_optimization": {
             "stage": 3,
             "stage3_param_persistence_threshold": t.param_persistence_threshold,
-            "overlap_comm": False,
+            # On CUDA, each gradient bucket's reduce-scatter runs on a stream of its own, overlapped with
+            # the backward pass of the layers before it (DeepSpeed's own stage-3 default); off, it waits in
+            # line on the compute stream. Stage 3 keeps one bucket either way (no second buffer, unlike
+            # stages 1 and 2). DeepSpeed's CPU accelerator has no streams: off there, as the CPU runs are
+            # tested.
+            "overlap_comm": cfg.scaling.use_gpu,
             "contiguous_gradients": True,
         },
         # torch's AdamW: no fused_adam JIT build on CPU, and its state is plain tensors.
@@ -141,11 +146,20 @@ def ensure_optimizer_state(engine, step: int) -> None:
             state.setdefault(key, torch.zeros_like(flat))
 
 
-# Elements of a rank's flat partition sent per `gather` at save: rank 0 receives world x 3 rows
-# (master, exp_avg, exp_avg_sq) of this many fp32 values per message, and hands each piece to the
-# checkpoint writer before the next message, so this bounds rank 0's extra memory at save whatever the
-# size of a trained vision tower (8 ranks: 1.5 GiB), and the device memory as well.
-GATHER_CHUNK = 1 << 24
+# Bytes rank 0 receives per `gather` at save, all ranks together: every rank sends GATHER_ROWS rows
+# (master, exp_avg, exp_avg_sq) of `gather_chunk(world)` fp32 values, and rank 0 holds the world's rows on
+# the device and once more in host memory until it has handed each piece to the checkpoint writer. A
+# budget over all ranks, not a count per rank, so rank 0's memory at save does not grow with the world
+# size, whatever the size of a trained vision tower (1 GiB: 44.7M values per rank at 2 ranks, 11.2M at
+# 8, 1.4M at 64, still megabytes per rank per message).
+GATHER_BYTES = 1 << 30
+GATHER_ROWS = 1 + len(MOMENTS)
+
+
+def gather_chunk(world_size: int) -> int:
+    """Elements of each rank's flat partition per save `gather`: GATHER_BYTES over world x 3 rows x 4 B."""
+    return max(1, GATHER_BYTES // (world_size * GATHER_ROWS * 4))
+
 
 # sink(name, kind, start, values): elements `start...` of parameter `name`'s flattened fp32 master
 # (kind "weight") or Adam moment (kind "exp_avg" / "exp_avg_sq"); `checkpoint.Writer.write` is one.
@@ -155,14 +169,15 @@ Sink = Callable[[str, str, int, torch.Tensor], None]
 def stream_trainable_state(engine, params: dict[str, torch.nn.Parameter], sink: Sink | None) -> None:
     """Hand the full fp32 masters and Adam moments of `params` to `sink` on rank 0, chunk by chunk.
 
-    One `gather` per flat group (per `GATHER_CHUNK` of it) carries the master and both moments of
-    every parameter in it. The tensors travel on the device the engine's process group serves (a CPU
-    tensor on an NCCL group is an error); rank 0 moves each message to host memory, gives `sink` the
-    pieces of every parameter the chunk covers and drops it. Every rank must call this (`sink` is used
-    on rank 0 only). Before the first optimizer step the moments are zeros.
+    One `gather` per flat group (per `gather_chunk(world)` elements of it) carries the master and both
+    moments of every parameter in it. The tensors travel on the device the engine's process group
+    serves (a CPU tensor on an NCCL group is an error); rank 0 moves each message to host memory, gives
+    `sink` the pieces of every parameter the chunk covers and drops it. Every rank must call this
+    (`sink` is used on rank 0 only). Before the first optimizer step the moments are zeros.
     """
     opt = engine.optimizer
     rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = gather_chunk(world)  # the same on every rank, so every rank sends as many messages
     slots = _slots(engine, params)
     by_group: dict[int, list[str]] = defaultdict(list)
     for name, (group, _, _) in slots.items():
@@ -175,8 +190,8 @@ def stream_trainable_state(engine, params: dict[str, torch.nn.Parameter], sink: 
             state[k].detach() if k in state else torch.zeros_like(flat) for k in MOMENTS
         ]
         size = flat.numel()  # the same on every rank: ZeRO-3 pads flat partitions to equal length
-        for start in range(0, size, GATHER_CHUNK):
-            local = torch.stack([r[start : start + GATHER_CHUNK] for r in rows]).float()
+        for start in range(0, size, per_rank):
+            local = torch.stack([r[start : start + per_rank] for r in rows]).float()
             local = local.to(engine.device).contiguous()
             gathered = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
             dist.gather(local, gathered, dst=0)

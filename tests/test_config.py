@@ -142,3 +142,27 @@ def test_data_formats_named_in_config_are_the_readers():
     from raylora.data import formats
 
     assert set(DATA_FORMATS) == set(formats.FORMATS) | set(formats.ALIASES)
+
+
+def test_new_keys_defaults_and_checks(tmp_path):
+    cfg = config.load(None, _base())
+    assert cfg.train.deterministic is True and cfg.run.local_dir is None
+    assert config.load(None, _base() + ["train.deterministic=false"]).train.deterministic is False
+    assert config.load(None, _base() + [f"run.local_dir={tmp_path}"]).run.local_dir == str(tmp_path)
+    for bad in ("scratch", "s3://bucket/scratch"):  # a node-local folder: relative to what, on which node?
+        with pytest.raises(ConfigError, match="run.local_dir must be an absolute local path"):
+            config.load(None, _base() + [f"run.local_dir={bad}"])
+
+
+def test_staging_folder_is_under_run_local_dir(tmp_path):
+    import tempfile
+
+    from raylora import resume
+
+    unset = config.load(None, _base())
+    assert resume.staging_folder(unset).parent == Path(tempfile.gettempdir()) / "raylora-staging"
+    cfg = config.load(None, _base() + [f"run.local_dir={tmp_path / 'nvme'}"])
+    folder = Path(resume.new_staging_folder(cfg, 4))
+    assert folder.parent == resume.staging_folder(cfg)
+    assert folder.parent.parent == tmp_path / "nvme" / "raylora-staging"
+    assert folder.name.startswith("step4-") and folder.is_dir()

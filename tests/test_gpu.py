@@ -2,19 +2,26 @@
 
 On 1 GPU one worker, on 2 or more two workers, one GPU each: Ray Train's NCCL process group, bf16,
 tiny Llava and Qwen2-VL. Each check prints one line (`pytest -v`):
-- collectives: one step and a checkpoint gather run on NCCL with device tensors, weights in bf16 on CUDA;
+- collectives: one step and a checkpoint gather run on NCCL with device tensors, weights in bf16 on CUDA,
+  with the GPU settings in force on the worker (ZeRO-3's overlap_comm, train.deterministic's flags);
+- kernels: under train.deterministic, attention (memory-efficient with a padding mask, flash, and torch's
+  own choice) and a patch-embedding convolution give the same bits forward and backward twice;
 - kill and resume: 4 steps with a checkpoint at step 2 and the last worker killed before step 3, Ray
-  restarts the group, the run resumes, and the final trainable state equals an uninterrupted run's.
+  restarts the group, the run resumes, and the final trainable state equals an uninterrupted run's: bit
+  for bit with train.deterministic on, within the tolerances below with it off.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from raylora import checkpoint
+from raylora import checkpoint, determinism
 from raylora.driver import run
 from tests.support import on_workers, tiny_run_config
+from tests.test_determinism import restored_torch_settings
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 WORKERS = min(GPUS, 2)
@@ -24,6 +31,20 @@ pytestmark = [
     pytest.mark.distributed,
     pytest.mark.skipif(GPUS == 0, reason="no CUDA GPU on this machine (make gpu-check needs one)"),
 ]
+
+
+# train.deterministic=false: the kernels sum in an order that changes from run to run, so in bf16 an
+# element's gradient can move by a rounding step, and Adam normalises each element's step. Relative L2
+# over all trainable tensors together: the weights within WEIGHTS_RTOL (the worst case, every key bias,
+# whose gradient is zero but for rounding, stepping the other way at each of the 4 steps, is about 2e-3
+# on these tiny models at lr 1e-3), the Adam moments within MOMENTS_RTOL. Unproven until a GPU run.
+WEIGHTS_RTOL, MOMENTS_RTOL = 1e-2, 5e-2
+
+
+def _relative_l2(reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> float:
+    """||got - reference|| / ||reference||, over every tensor of `reference` together."""
+    diff = sum(float((got[n].double() - t.double()).pow(2).sum()) for n, t in reference.items())
+    return (diff / sum(float(t.double().pow(2).sum()) for t in reference.values())) ** 0.5
 
 
 def _overrides(*extra: str) -> list[str]:
@@ -53,6 +74,11 @@ def _collective_probe(cfg) -> dict:
         "device": str(s.engine.device),
         "dtypes": sorted({str(p.dtype) for p in s.params.values()}),
         "loss": metrics["loss"],
+        "overlap_comm": s.engine.zero_overlap_comm(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+        "cudnn": [torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark],
+        "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
     }
     if s.rank == 0:
         weights, _ = gathered
@@ -71,17 +97,70 @@ def test_gpu_collectives_on_nccl_in_bf16(arch, ray_cluster, tiny_models, digits,
     assert info["dtypes"] == ["torch.bfloat16"]
     assert info["gathered_on_host"]
     assert info["loss"] == info["loss"] and info["loss"] > 0  # finite, not NaN
+    assert info["overlap_comm"] is True  # gradient reduce-scatters on their own stream
+    assert info["deterministic"] and not info["warn_only"]  # train.deterministic's default
+    assert info["cudnn"] == [True, False] and info["cublas"] in determinism.CUBLAS_WORKSPACES
 
 
+def _kernel_grads(kernel: str, device: str = "cuda") -> list[torch.Tensor]:
+    """Output and input gradients of one kernel, from fixed random inputs."""
+    import contextlib
+
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16).requires_grad_()
+
+    if kernel == "conv2d":  # CLIP ViT-L/14-336's patch embedding, its weight gradient as a trained tower's
+        x, w = randn(8, 3, 336, 336), randn(1024, 3, 14, 14)
+        out = F.conv2d(x, w, stride=14)
+        inputs = [x, w]
+    else:  # batch 2, 16 heads, 2048 tokens of width 64; the second row's last 548 keys are padding
+        q, k, v = randn(2, 16, 2048, 64), randn(2, 16, 2048, 64), randn(2, 16, 2048, 64)
+        lengths = torch.tensor([2048, 1500], device=device)
+        mask = (torch.arange(2048, device=device) < lengths[:, None])[:, None, None, :]
+        backends = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}
+        chosen = sdpa_kernel(backends[kernel]) if kernel in backends else contextlib.nullcontext()
+        with chosen:
+            if kernel == "flash":  # no mask: flash takes none
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        inputs = [q, k, v]
+    out.backward(torch.randn(out.shape, generator=gen, device=device, dtype=out.dtype))
+    return [out.detach(), *(t.grad for t in inputs)]
+
+
+@pytest.mark.parametrize("kernel", ["efficient", "flash", "torch_choice", "conv2d"])
+def test_gpu_kernels_repeat_bit_for_bit_when_deterministic(kernel):
+    with restored_torch_settings():
+        determinism.use_deterministic_kernels(True)
+        first, second = _kernel_grads(kernel), _kernel_grads(kernel)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b), f"{kernel}: two runs differ under train.deterministic"
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "nondeterministic"])
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
-def test_gpu_kill_and_resume_equals_uninterrupted(arch, ray_cluster, tiny_models, digits, tmp_path):
-    model = tiny_models(arch)
-    straight = run(tiny_run_config(model, digits[0], tmp_path, "straight", *_overrides()))
-    killed = run(tiny_run_config(model, digits[0], tmp_path, "killed", *_overrides("fault.kill_at_steps=2")))
+def test_gpu_kill_and_resume_equals_uninterrupted(
+    arch, deterministic, ray_cluster, tiny_models, digits, tmp_path
+):
+    model, setting = tiny_models(arch), f"train.deterministic={str(deterministic).lower()}"
+    straight = run(tiny_run_config(model, digits[0], tmp_path, "straight", *_overrides(setting)))
+    killed = run(
+        tiny_run_config(model, digits[0], tmp_path, "killed", *_overrides(setting, "fault.kill_at_steps=2"))
+    )
     assert straight.error is None and killed.error is None
     with straight.checkpoint.as_directory() as a, killed.checkpoint.as_directory() as b:
         one, other = checkpoint.load(a), checkpoint.load(b)
     assert other.state.restarts == 1 and one.state.step == other.state.step == 4
+    if not deterministic:
+        assert _relative_l2(one.weights, other.weights) <= WEIGHTS_RTOL
+        assert _relative_l2(one.moments, other.moments) <= MOMENTS_RTOL
+        return
     for name, value in one.weights.items():
         assert torch.equal(value, other.weights[name]), f"{name} differs after resume"
     for name, value in one.moments.items():

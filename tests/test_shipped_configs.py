@@ -9,7 +9,8 @@ import pytest
 from raylora import config
 
 ROOT = Path(__file__).resolve().parent.parent
-NOT_RUN_CONFIGS = {"runtime_env.yaml", "tune-space.yaml"}
+# kuberay-rayjob.yaml is a Kubernetes object, checked in tests/test_cluster_config.py
+NOT_RUN_CONFIGS = {"runtime_env.yaml", "tune-space.yaml", "kuberay-rayjob.yaml"}
 CONFIGS = sorted(p for p in (ROOT / "jobs").glob("*.yaml") if p.name not in NOT_RUN_CONFIGS)
 
 

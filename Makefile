@@ -33,6 +33,8 @@ bench: install
 	$(PY) bench/restore_collectives.py
 	$(PY) bench/restore_bytes.py
 	$(PY) bench/checkpoint_stall.py
+	$(PY) bench/checkpoint_stall.py --s3
+	$(PY) bench/metrics_log.py
 	$(PY) bench/save_collectives.py
 	$(PY) bench/throughput.py
 	$(PY) bench/recovery.py

@@ -139,10 +139,16 @@ def read_state(folder: str | Path, filesystem: Any = None) -> TrainState:
     return _parse_state(text, folder)
 
 
-def read_adapter_config(folder: str | Path) -> dict[str, Any]:
-    """PEFT's adapter config of a checkpoint as plain data; `CheckpointError` if unreadable."""
+def read_adapter_config(folder: str | Path, filesystem: Any = None) -> dict[str, Any]:
+    """PEFT's adapter config of a checkpoint as plain data; `CheckpointError` if unreadable.
+
+    `filesystem`: a pyarrow filesystem that `folder` is a path of (a run's storage); unset: local.
+    """
     try:
-        return json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
+        if filesystem is None:
+            return json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
+        with filesystem.open_input_stream(posixpath.join(str(folder), ADAPTER_CONFIG)) as f:
+            return json.loads(f.read())
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{folder}: {ADAPTER_CONFIG} unreadable: {err}") from err
 

@@ -218,12 +218,14 @@ def parser() -> argparse.ArgumentParser:
     )
     pd.set_defaults(fn=_prepare_data)
     i = sub.add_parser("inspect", help="a checkpoint's step, files, manifest check and trainable modules")
-    i.add_argument("checkpoint", help="checkpoint folder")
+    i.add_argument("checkpoint", help="checkpoint folder: a path or a URI (s3://, gs://)")
     i.add_argument("--json", action="store_true", help="print the report as JSON")
     i.set_defaults(fn=_inspect)
-    pl = sub.add_parser("plot", help="PNG of loss against step from a run folder's raylora_metrics.jsonl")
-    pl.add_argument("run_dir", help="run folder {run.storage_path}/{run.name}")
-    pl.add_argument("--out", help="output PNG (default RUN_DIR/loss.png)")
+    pl = sub.add_parser("plot", help="PNG of loss against step from a run folder's metrics log")
+    pl.add_argument(
+        "run_dir", help="run folder {run.storage_path}/{run.name}: a path or a URI (s3://, gs://)"
+    )
+    pl.add_argument("--out", help="output PNG, a path or a URI (default RUN_DIR/loss.png)")
     pl.set_defaults(fn=_plot)
     return p
 

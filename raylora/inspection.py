@@ -2,18 +2,24 @@
 
 Everything comes from state.json (step, trainable names and shapes, config, versions), the adapter
 config and the folder listing, so a checkpoint can be inspected on a machine without its base model.
+The folder is a local path or a URI of any pyarrow filesystem (s3://, gs://), read where it lies:
+nothing is downloaded but those JSON files, and the manifest check streams each file through sha256.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import posixpath
 from pathlib import Path
 from typing import Any
+
+import pyarrow.fs
 
 from raylora import checkpoint
 from raylora.arch import REGISTRY
 from raylora.config import ConfigError
+from raylora.storage import absolute, filesystem
 
 GROUPS = {
     "language_model": "LoRA on the language model",
@@ -56,32 +62,42 @@ def trainable_groups(trainable: dict[str, list[int]], arch: str | None) -> dict[
 
 
 def inspect_checkpoint(folder: str | Path) -> dict[str, Any]:
-    """A report on checkpoint `folder`; `report["manifest"]["ok"]` says whether every file matches.
+    """A report on checkpoint `folder` (a path or a URI); `report["manifest"]["ok"]` says whether every
+    file matches.
 
     Raises `ConfigError` only when `folder` is not a checkpoint at all (no state.json, no manifest).
     """
-    folder = Path(folder)
-    if not (folder / checkpoint.STATE).is_file() and not (folder / checkpoint.MANIFEST).is_file():
+    where = str(folder).rstrip("/") or "/"  # a URI stays a string: pathlib folds `s3://b/k` to `s3:/b/k`
+    fs, path = filesystem(absolute(where))
+
+    def error(err: Exception) -> str:  # the folder as the user named it, not as its filesystem does
+        return str(err).replace(path, where)
+
+    found = fs.get_file_info(
+        [posixpath.join(path, checkpoint.STATE), posixpath.join(path, checkpoint.MANIFEST)]
+    )
+    if all(f.type != pyarrow.fs.FileType.File for f in found):
         raise ConfigError(
-            f"{folder} is not a raylora checkpoint (no {checkpoint.STATE}, no {checkpoint.MANIFEST})"
+            f"{where} is not a raylora checkpoint (no {checkpoint.STATE}, no {checkpoint.MANIFEST})"
         )
-    report: dict[str, Any] = {"folder": str(folder)}
-    report["files"] = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.is_file()}
+    report: dict[str, Any] = {"folder": where}
+    listing = sorted(fs.get_file_info(pyarrow.fs.FileSelector(path)), key=lambda f: f.base_name)
+    report["files"] = {f.base_name: f.size for f in listing if f.type == pyarrow.fs.FileType.File}
     try:
-        checkpoint.verify(folder)
+        checkpoint.verify(path, filesystem=fs)
         report["manifest"] = {"ok": True, "error": None}
     except checkpoint.CheckpointError as err:
-        report["manifest"] = {"ok": False, "error": str(err)}
+        report["manifest"] = {"ok": False, "error": error(err)}
     try:
-        state = checkpoint.read_state(folder)
+        state = checkpoint.read_state(path, filesystem=fs)
     except checkpoint.CheckpointError as err:
-        report["state_error"] = f"{checkpoint.STATE} unreadable: {err}"
+        report["state_error"] = f"{checkpoint.STATE} unreadable: {error(err)}"
         return report
     try:
-        lora = checkpoint.read_adapter_config(folder)
+        lora = checkpoint.read_adapter_config(path, filesystem=fs)
         report["lora"] = {k: lora.get(k) for k in ("r", "lora_alpha", "lora_dropout", "target_modules")}
     except checkpoint.CheckpointError as err:
-        report["lora"] = {"error": str(err)}
+        report["lora"] = {"error": error(err)}
     arch = state.arch or state.config.get("model", {}).get("arch")
     report.update(
         step=state.step,

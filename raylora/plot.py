@@ -1,9 +1,12 @@
-"""`raylora plot`: the loss curve of a run from its `raylora_metrics.jsonl`, restarts marked.
+"""`raylora plot`: the loss curve of a run from its metrics log (`raylora_metrics/`), restarts marked.
 
 A resumed run appends to the log, so steps redone after a restart appear twice. Each attempt (a run
 of consecutive rows with the same `restarts` count) is drawn as its own segment: with an exact resume
 the redone steps lie on top of the first attempt's. Drawn with matplotlib's Agg canvas directly (no
-pyplot), so it needs no display and leaves the caller's matplotlib backend alone.
+pyplot), so it needs no display and leaves the caller's matplotlib backend alone. The run folder and
+the output are local paths or URIs of any pyarrow filesystem (s3://, gs://), each read or written
+through its own filesystem: `raylora plot s3://bucket/runs/NAME --out loss.png` draws a cluster's run
+on a laptop.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ import io
 import posixpath
 
 from raylora.config import ConfigError
-from raylora.progress import METRICS_FILE, read_metrics
-from raylora.storage import run_folder
+from raylora.progress import METRICS_DIR, read_log
+from raylora.storage import absolute, filesystem
 
 
 def restart_steps(rows: list[dict]) -> list[int]:
@@ -87,16 +90,15 @@ def render(rows: list[dict], title: str = "") -> bytes:
 
 
 def plot(run_dir: str, out: str | None = None) -> str:
-    """Write the loss plot of run folder `run_dir` (a path or a URI) to `out` (default RUN_DIR/loss.png)."""
-    storage_path, name = posixpath.split(run_dir.rstrip("/"))
-    rows = read_metrics(storage_path or ".", name)
+    """Write the loss plot of run folder `run_dir` (a path or a URI) to `out` (default RUN_DIR/loss.png,
+    a path or a URI too); returns `out`."""
+    run_dir = run_dir.rstrip("/")
+    rows = read_log(*filesystem(absolute(run_dir)))
     if not rows:
-        raise ConfigError(
-            f"no metrics in {posixpath.join(run_dir, METRICS_FILE)}: is {run_dir} a run folder?"
-        )
-    png = render(rows, title=name)
-    out = out or posixpath.join(run_dir.rstrip("/"), "loss.png")
-    fs, path = run_folder(*posixpath.split(out))
+        raise ConfigError(f"no metrics in {posixpath.join(run_dir, METRICS_DIR)}: is {run_dir} a run folder?")
+    png = render(rows, title=posixpath.basename(run_dir))
+    out = out or posixpath.join(run_dir, "loss.png")
+    fs, path = filesystem(absolute(out))
     with fs.open_output_stream(path) as f:
         f.write(png)
     return out

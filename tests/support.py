@@ -116,6 +116,60 @@ class S3Server:
         self.process.wait(timeout=30)
 
 
+class CountingFileSystem:
+    """A pyarrow filesystem seen through a counter of what is written: every output stream opened and
+    every byte written to one (on an object store, one upload each and the bytes uploaded)."""
+
+    def __init__(self, fs):
+        self.fs, self.streams, self.bytes = fs, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+    def open_output_stream(self, path, *args, **kwargs):
+        self.streams += 1
+        return _CountedStream(self, self.fs.open_output_stream(path, *args, **kwargs))
+
+
+class _CountedStream:
+    def __init__(self, owner: CountingFileSystem, stream):
+        self.owner, self.stream = owner, stream
+
+    def write(self, data) -> int:
+        self.owner.bytes += len(data)
+        return self.stream.write(data)
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def metrics_row(step: int, max_steps: int, restarts: int = 0, **extra) -> dict:
+    """A row as the workers report it (the keys and magnitudes of a real run's row, about 330 bytes)."""
+    return {
+        "step": step,
+        "loss": 3.5 / (1 + step) ** 0.5 + 1e-9 * step,
+        "lr": 1e-4 * (1 - step / (max_steps + 1)),
+        "vision_lr": 1e-5 * (1 - step / (max_steps + 1)),
+        "samples_per_s": 37.85949056307141,
+        "tokens_per_s": 1022.206245202928,
+        "max_steps": max_steps,
+        "epoch": 0,
+        "restarts": restarts,
+        "world_size": 2,
+        "bad_rows": 0,
+        "too_long": 0,
+        "bad_rows_so_far": 0,
+        "wall_time": 1796170227.1426444 + step,
+        **extra,
+    }
+
+
 def tiny_run_config(
     model_dir: str | Path, train_file: str | Path, storage: str | Path, name: str, *overrides: str
 ):

@@ -1,10 +1,15 @@
-"""`raylora inspect` on real checkpoints (intact and altered) and `raylora plot` on a synthetic log."""
+"""`raylora inspect` on real checkpoints (intact and altered) and `raylora plot` on a synthetic log, on a
+local folder and on a real S3 endpoint (tests.support.S3Server)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
+import pyarrow.fs
 import pytest
 from PIL import Image
 from transformers import AutoModelForImageTextToText
@@ -12,7 +17,7 @@ from transformers import AutoModelForImageTextToText
 from raylora import checkpoint, cli
 from raylora.inspection import inspect_checkpoint
 from raylora.plot import attempts, restart_steps
-from raylora.progress import METRICS_FILE
+from raylora.progress import MetricsLog
 from tests.test_export import make_checkpoint
 
 PARTS = {
@@ -119,22 +124,82 @@ def test_restart_steps_and_attempts():
     assert restart_steps([{"step": s, "loss": 1.0} for s in range(1, 5)]) == []  # rows without `restarts`
 
 
+def _log(storage_path: str, name: str) -> None:
+    """The rows of `_rows()` written by the callback that writes a run's log, one report per step."""
+    log = MetricsLog(storage_path, name)
+    for row in _rows():
+        log.after_report(None, [dict(row)], None)
+
+
+def _is_png(data: bytes) -> bool:
+    return data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_writes_png(tmp_path, capsys):
     run_dir = tmp_path / "runs" / "myrun"
     run_dir.mkdir(parents=True)
-    (run_dir / METRICS_FILE).write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+    _log(str(tmp_path / "runs"), "myrun")
     assert cli.main(["plot", str(run_dir)]) == 0
     png = run_dir / "loss.png"
     assert capsys.readouterr().out.strip() == str(png)
     assert png.stat().st_size > 0
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _is_png(png.read_bytes())
     with Image.open(png) as image:
         image.verify()
         assert image.format == "PNG" and math.prod(image.size) > 0
 
     other = tmp_path / "elsewhere.png"
     assert cli.main(["plot", str(run_dir), "--out", str(other)]) == 0
-    assert other.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _is_png(other.read_bytes())
 
     assert cli.main(["plot", str(tmp_path / "runs" / "missing")]) == 2
     assert "no metrics in" in capsys.readouterr().err
+
+
+def test_plot_on_s3(s3, tmp_path, capsys):
+    _log(s3.uri("runs"), "myrun")
+    assert cli.main(["plot", s3.uri("runs", "myrun")]) == 0
+    assert capsys.readouterr().out.strip() == s3.uri("runs", "myrun", "loss.png")
+    with s3.fs().open_input_stream(f"{s3.bucket}/runs/myrun/loss.png") as f:
+        assert _is_png(f.read())
+    local = tmp_path / "loss.png"  # a cluster's run drawn on a laptop
+    assert cli.main(["plot", s3.uri("runs", "myrun") + "/", "--out", str(local)]) == 0
+    assert _is_png(local.read_bytes())
+    assert cli.main(["plot", s3.uri("runs", "missing")]) == 2
+    assert f"no metrics in {s3.uri('runs', 'missing')}/" in capsys.readouterr().err
+
+
+def test_inspect_on_s3(s3, tiny_models, digits, tmp_path, capsys):
+    ckpt = make_checkpoint(tmp_path / "ckpt", tiny_models("llava"), digits[0])
+    uri = s3.uri("runs", "inspected", "checkpoint_000005")
+    pyarrow.fs.copy_files(
+        str(ckpt),
+        uri.removeprefix("s3://"),
+        source_filesystem=pyarrow.fs.LocalFileSystem(),
+        destination_filesystem=s3.fs(),
+    )
+    local = inspect_checkpoint(ckpt)
+    # As a user runs it: the command, in a process of its own, with the endpoint in its environment.
+    proc = subprocess.run(
+        [sys.executable, "-m", "raylora.cli", "inspect", uri, "--json"],
+        env={**os.environ, **s3.env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    remote = json.loads(proc.stdout)
+    assert remote["folder"] == uri and remote["manifest"] == {"ok": True, "error": None}
+    assert {**remote, "folder": None} == {**local, "folder": None}
+
+    path = f"{uri.removeprefix('s3://')}/{checkpoint.TRAINED_MODULES}"
+    data = bytearray((ckpt / checkpoint.TRAINED_MODULES).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    with s3.fs().open_output_stream(path) as f:
+        f.write(bytes(data))
+    assert cli.main(["inspect", uri]) == 1
+    text = capsys.readouterr().out
+    assert f"manifest   FAILED: {uri}: file {checkpoint.TRAINED_MODULES} does not match its sha256" in text
+    assert "step       5" in text
+    assert cli.main(["inspect", s3.uri("runs", "inspected")]) == 2
+    assert f"{s3.uri('runs', 'inspected')} is not a raylora checkpoint" in capsys.readouterr().err

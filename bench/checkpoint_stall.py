@@ -6,18 +6,23 @@ async. The stall of a checkpoint step is the time from the end of its training s
 `ray.train.report` on rank 0 (the other ranks wait for rank 0 in the next step's collectives): the
 gather and the write (the same in both modes), and in sync mode the upload into the run's storage.
 The step after a checkpoint is timed too: an asynchronous upload shares the CPUs with it.
+
+`--s3`: the run's storage is `s3://` on a real S3 endpoint started on 127.0.0.1 (moto_server, as the
+tests use it), so the synchronous upload is an S3 multipart upload through pyarrow, as on a cluster
+(though over the loopback, with no network between: a real bucket adds checkpoint bytes / bandwidth).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
 
 import common
 
-from tests.support import on_workers, tiny_run_config
+from tests.support import S3Server, on_workers, tiny_run_config
 
 MODES = ("sync", "async")
 
@@ -56,7 +61,9 @@ def probe(cfg, mode: str, steps: int, every: int) -> list[dict]:
 
 
 def main() -> None:
-    args = common.parser(__doc__).parse_args()
+    p = common.parser(__doc__)
+    p.add_argument("--s3", action="store_true", help="run storage on a local S3 endpoint (moto_server)")
+    args = p.parse_args()
     work = Path(args.work) / "checkpoint_stall"
     shutil.rmtree(work, ignore_errors=True)
     width, layers = (64, 2) if args.tiny else (256, 4)
@@ -64,12 +71,21 @@ def main() -> None:
     data = common.digits(args.work)
     model = common.tiny_model(args.work, width, layers)
     rows = {}
-    with common.local_ray():
-        for mode in MODES:
-            cfg = tiny_run_config(model, data, work / "ray", mode, f"run.checkpoint_upload={mode}")
-            rows[mode] = on_workers(
-                lambda cfg=cfg, mode=mode: probe(cfg, mode, steps, every), work / "ray", mode
-            )
+    server = S3Server() if args.s3 else None
+    if server is not None:
+        os.environ.update(server.env)  # before Ray starts: its workers inherit the endpoint
+    storage = server.uri("checkpoint_stall") if server else str(work / "ray")
+    try:
+        with common.local_ray():
+            for mode in MODES:
+                cfg = tiny_run_config(model, data, storage, mode, f"run.checkpoint_upload={mode}")
+                rows[mode] = on_workers(
+                    lambda cfg=cfg, mode=mode: probe(cfg, mode, steps, every), storage, mode
+                )
+        size = _last_checkpoint_bytes(storage + "/async")
+    finally:
+        if server is not None:
+            server.stop()
     figures = {}
     for mode, r in rows.items():
         # the first step warms up; a step right after a checkpoint shares the CPUs with its upload
@@ -85,15 +101,13 @@ def main() -> None:
             "step_after_checkpoint_s": common.summary(after) if after else None,
             "stall_over_step": common.median(stalls) / common.median(plain),
         }
-    ckpts = sorted(p for p in (work / "ray" / "async").glob("checkpoint_*") if p.is_dir())
-    size = common.folder_bytes(ckpts[-1]) if ckpts else None
     saved = (
         figures["sync"]["stall_per_checkpoint_s"]["median"]
         - figures["async"]["stall_per_checkpoint_s"]["median"]
     )
     common.write_result(
         args,
-        "checkpoint_stall",
+        "checkpoint_stall_s3" if args.s3 else "checkpoint_stall",
         {
             "setup": {
                 "model": f"tiny llava, width {width}, {layers} layers; LoRA r=4 on every linear layer of the "
@@ -102,7 +116,7 @@ def main() -> None:
                 "steps": steps,
                 "checkpoint_every": every,
                 "checkpoint_bytes": size,
-                "storage": "local disk (the run folder under --work)",
+                "storage": "s3:// on moto_server at 127.0.0.1" if args.s3 else "local disk (under --work)",
             },
             "modes": figures,
             "raw": rows,
@@ -114,13 +128,30 @@ def main() -> None:
             "notes": [
                 "stall = end of the checkpoint step's training to the return of ray.train.report on rank 0; "
                 "gather_and_write = zero.stream_trainable_state + checkpoint.Writer (both modes).",
-                "Storage here is the local disk, so the synchronous upload is a file copy; to object storage "
-                "it lasts checkpoint bytes / bandwidth, which the asynchronous mode takes off the step.",
+                "On the local disk the synchronous upload is a file copy; with --s3 it is an S3 upload over "
+                "the loopback; to a real bucket it lasts checkpoint bytes / bandwidth more, which the "
+                "asynchronous mode takes off the step.",
                 "step_after_checkpoint: the step that runs while the asynchronous upload is in flight.",
             ],
         },
     )
     print(json.dumps(figures, indent=1))
+
+
+def _last_checkpoint_bytes(run_dir: str) -> int | None:
+    """Bytes of the run's last checkpoint folder, on the local disk or in the bucket."""
+    import pyarrow.fs
+
+    from raylora.storage import filesystem
+
+    fs, root = filesystem(run_dir)
+    infos = fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True))
+    names = {i.path.split("/checkpoint_")[1].split("/")[0] for i in infos if "/checkpoint_" in i.path}
+    folders = sorted(names)  # Ray names them checkpoint_<date and time>: in order
+    if not folders:
+        return None
+    last = f"/checkpoint_{folders[-1]}/"
+    return sum(i.size for i in infos if last in i.path and i.type == pyarrow.fs.FileType.File)
 
 
 if __name__ == "__main__":

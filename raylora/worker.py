@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
-from raylora import checkpoint, console, failures, hub, resume, zero
+from raylora import checkpoint, console, determinism, failures, hub, resume, zero
 from raylora.arch import Architecture, for_model
 from raylora.config import Config
 from raylora.data.batches import check_max_length, limit_length, read
@@ -34,7 +34,7 @@ from raylora.data.sampler import GlobalSampler
 from raylora.drills import maybe_kill
 from raylora.ds import deepspeed
 from raylora.evaluate import evaluate_sharded
-from raylora.loss import answer_token_losses, predicts_answer
+from raylora.loss import answer_positions, answer_token_losses
 from raylora.model import build_model, mark_trained, shapes
 from raylora.progress import bad_rows_before, count_attempt
 from raylora.redact import redact
@@ -73,6 +73,7 @@ class Setup:
 def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | None) -> Setup:
     """Build the model and engine on this rank and, when given a checkpoint, restore it exactly (reading
     only this rank's slices of it from a `checkpoint.Ranges`)."""
+    determinism.use_deterministic_kernels(cfg.train.deterministic)  # first: before any cuBLAS call
     # DeepSpeed adopts the process group Ray Train set up (gloo on CPU, nccl on GPU); zero.Init inside
     # from_pretrained needs it to know the world size.
     deepspeed.init_distributed(dist_backend=dist.get_backend())
@@ -153,42 +154,45 @@ def train_step(s: Setup) -> dict[str, float]:
     # Collectives carry tensors on the device the process group serves: NCCL (GPU) rejects CPU tensors.
     # One small all_reduce before the first backward: the loss is normalised by the global batch's answer
     # tokens, which only the built batches know (multi-turn, skipped and bad samples, rows read lazily).
-    counts = torch.tensor([built.tokens, built.too_long, built.bad_rows], dtype=torch.float64, device=device)
+    counts = [built.tokens, built.too_long, built.bad_rows, built.positions]
+    counts = to_device({"counts": torch.tensor(counts, dtype=torch.float64)}, device)["counts"]
     dist.all_reduce(counts)
-    global_tokens = int(counts[0].item())
-    # Every sample skipped: the counts are global, so every rank raises here, before the step's passes.
-    if global_tokens == 0:
-        raise failures.PermanentError(nothing_to_train(s, step, built, counts))
     # The loss is a mean over the global batch's answer tokens. DeepSpeed divides by the accumulation
     # steps and averages over ranks, so scale each micro batch's token sum to undo both: the gradient
-    # then does not depend on how the batch is split over workers.
-    scale = s.world_size * cfg.grad_accum_steps(s.world_size) / global_tokens
-    totals = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in built.batches:
-        batch = {k: v.to(device) for k, v in batch.items()}
-        labels = batch.pop("labels")
-        token_loss = answer_token_losses(engine, batch, labels)[0].sum()
+    # then does not depend on how the batch is split over workers. The scale stays on the device: the
+    # step reads the device once, at its end (reading the counts here would wait for the GPU to finish
+    # the previous step's optimizer before queueing this step's first forward). A step with no answer
+    # token anywhere gets a scale of 0 and is refused below, before anything is saved or reported.
+    scale = torch.where(counts[0] > 0, s.world_size * cfg.grad_accum_steps(s.world_size) / counts[0], 0.0)
+    scale = scale.float()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for batch, positions in zip(built.batches, built.positions_of, strict=True):
+        batch, positions = to_device(batch, device), to_device(positions, device)
+        token_loss = answer_token_losses(engine, batch, positions.pop("labels"), positions)[0].sum()
         engine.backward(token_loss * scale)
         engine.step()
-        totals += torch.tensor(
-            [token_loss.item(), float(batch["attention_mask"].sum())], dtype=torch.float64, device=device
-        )
-    dist.all_reduce(totals)
+        loss_sum += token_loss.detach()
+    dist.all_reduce(loss_sum)
+    # the step's one read of the device
+    global_tokens, too_long, bad_rows, positions_done, loss = torch.cat([counts, loss_sum[None]]).tolist()
+    # Every sample skipped: the counts are global, so every rank raises here, at the same step.
+    if global_tokens == 0:
+        raise failures.PermanentError(nothing_to_train(s, step, built, counts))
     elapsed = time.perf_counter() - start
     s.step += 1
     return {
         "step": s.step,
-        "loss": totals[0].item() / global_tokens,
+        "loss": loss / global_tokens,
         "lr": lrs[0],
         **({"vision_lr": lrs[1]} if len(lrs) > 1 else {}),
         "samples_per_s": cfg.train.global_batch_size / elapsed,
-        "tokens_per_s": totals[1].item() / elapsed,
+        "tokens_per_s": positions_done / elapsed,
         "max_steps": cfg.train.max_steps,
         "epoch": s.sampler.epoch(step),
         "restarts": s.restarts,
         "world_size": s.world_size,  # changes within a run when an elastic [min, max] group is resized
-        "bad_rows": int(counts[2].item()),  # rows of this step that do not read, decode or encode, skipped
-        "too_long": int(counts[1].item()),  # samples of this step longer than data.max_length, skipped
+        "bad_rows": int(bad_rows),  # rows of this step that do not read, decode or encode, skipped
+        "too_long": int(too_long),  # samples of this step longer than data.max_length, skipped
     }
 
 
@@ -216,11 +220,34 @@ def nothing_to_train(s: Setup, step: int, built: StepBatches, counts: torch.Tens
 class StepBatches:
     """This rank's share of one step, with what the step's metrics and loss need counted."""
 
-    batches: list[dict]
+    batches: list[dict]  # the model's inputs of each micro batch, labels left out
+    positions_of: list[dict]  # each micro batch's loss.answer_positions, and its labels
     tokens: int  # answer tokens the loss covers
+    positions: int  # token positions the passes compute (padding left out): the tokens_per_s metric
     too_long: int  # samples longer than data.max_length, replaced by the stand-in
     bad_rows: int  # rows that do not read or decode, or that the processor rejects: replaced by the stand-in
     reasons: list[tuple[int, str]]  # (row, why) of each bad row
+
+    def pin_memory(self) -> StepBatches:
+        """A copy whose tensors are in page-locked memory (the DataLoader's pin thread calls this on a GPU
+        node), so that the copies to the GPU are asynchronous."""
+        pin = _pinned
+        return StepBatches(
+            [pin(b) for b in self.batches], [pin(p) for p in self.positions_of], self.tokens, self.positions,
+            self.too_long, self.bad_rows, self.reasons,
+        )  # fmt: skip
+
+
+def _pinned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v if v.is_pinned() else v.pin_memory() for k, v in tensors.items()}
+
+
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """`tensors` on `device`: on a GPU from page-locked memory and `non_blocking`, so that the host queues
+    the step's kernels without waiting for each copy; on the CPU as they are."""
+    if device.type != "cuda":
+        return tensors
+    return {k: v.to(device, non_blocking=True) for k, v in _pinned(tensors).items()}
 
 
 def step_batches(s: Setup, step: int) -> StepBatches:
@@ -230,15 +257,21 @@ def step_batches(s: Setup, step: int) -> StepBatches:
     What a slot holds depends on its row alone (too long, bad), so every rank and a resumed run skip
     the same; an empty slot of the global sampler (`None`) becomes the stand-in as well.
     """
-    built = StepBatches([], 0, 0, 0, [])
+    built = StepBatches([], [], 0, 0, 0, 0, [])
     for micro in s.sampler.micro_batches(step, s.rank, s.world_size, s.cfg.train.micro_batch_size):
         samples = [None if i is None else _read(s, i, built.reasons) for i in micro]
         rejected: dict[int, str] = {}  # positions whose sample the processor rejects: bad rows as well
         batch, too_long = limit_length(s.processor, samples, s.cfg.data.max_length, rejected=rejected)
         for pos, reason in rejected.items():
             _bad_row(s, micro[pos], reason, built.reasons)
+        # counted here, on the CPU (in the input pipeline's process when there is one), so that the
+        # training step does not wait on the device to count them
+        labels = batch.pop("labels")
+        positions = {**answer_positions(labels), "labels": labels}
         built.batches.append(batch)
-        built.tokens += int(predicts_answer(batch["labels"]).sum())
+        built.positions_of.append(positions)
+        built.tokens += len(positions["targets"])
+        built.positions += int(batch["attention_mask"].sum())
         built.too_long += len(too_long)
     built.bad_rows = len(built.reasons)
     return built

@@ -12,7 +12,13 @@ use_ray_test_env()
 
 # Modules that replace the shared Ray with one of their own (several nodes, another environment) and shut
 # it down: run last, so that the modules after them do not each start the shared Ray again.
-OWN_RAY = ("test_hub.py", "test_multinode.py", "test_node_loss.py", "test_preemption.py")
+OWN_RAY = (
+    "test_hub.py",
+    "test_multinode.py",
+    "test_node_loss.py",
+    "test_object_storage.py",
+    "test_preemption.py",
+)
 
 
 def pytest_collection_modifyitems(items):

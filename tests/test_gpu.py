@@ -86,6 +86,35 @@ def _collective_probe(cfg) -> dict:
     return info
 
 
+def _host_sync_probe(cfg) -> list[str]:
+    """Where raylora's own code waited for the GPU during one training step (after a warm-up step):
+    torch's sync debug mode warns at every synchronizing CUDA call, and a warning's location is the Python
+    line that made the call. DeepSpeed's own syncs (its optimizer step) are not raylora's to remove."""
+    import warnings
+
+    from raylora.worker import setup, train_step
+
+    s = setup(cfg, None)
+    train_step(s)
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_step(s)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    return [f"{w.filename}:{w.lineno}" for w in syncs if f"{os.sep}raylora{os.sep}" in w.filename]
+
+
+def test_gpu_step_waits_for_the_device_once(ray_cluster, tiny_models, digits, tmp_path):
+    """One host sync per step in raylora's code (the step's metrics, read once at its end): no `.item()`
+    per micro batch, no boolean-mask indexing, batches copied from pinned memory without blocking."""
+    cfg = tiny_run_config(tiny_models("llava"), digits[0], tmp_path, "gpu-syncs", *_overrides())
+    ours = on_workers(lambda: _host_sync_probe(cfg), tmp_path, "gpu-syncs", num_workers=WORKERS, use_gpu=True)
+    assert len(ours) == 1 and f"raylora{os.sep}worker.py:" in ours[0], ours
+
+
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
 def test_gpu_collectives_on_nccl_in_bf16(arch, ray_cluster, tiny_models, digits, tmp_path):
     cfg = tiny_run_config(tiny_models(arch), digits[0], tmp_path, f"gpu-probe-{arch}", *_overrides())

@@ -22,7 +22,7 @@ from raylora.data.formats import open_rows
 from raylora.data.labels import IGNORE_INDEX
 from raylora.data.processor import load_processor
 from raylora.driver import preflight
-from raylora.loss import answer_token_losses
+from raylora.loss import answer_positions, answer_token_losses, predicts_answer
 from raylora.model import add_lora, base_name, prepare_for_training, set_trainable
 from tests.support import tiny_run_config
 
@@ -62,6 +62,39 @@ def test_answer_only_loss_equals_full_logits_loss(arch, tiny_models, digits):
     )
     assert rows.tolist() == answers.nonzero()[:, 0].tolist()
     torch.testing.assert_close(losses.sum(), full, rtol=1e-6, atol=1e-6)
+
+
+def test_answer_positions_select_what_the_boolean_mask_selects():
+    """The index tensors the training step builds on the CPU pick the same hidden states, in the same order,
+    as indexing with the boolean mask: rows of several answer lengths, a row without any, multi-turn."""
+    labels = torch.full((4, 9), IGNORE_INDEX)
+    labels[0, 3:5] = torch.tensor([7, 8])
+    labels[2, 1:8] = torch.arange(1, 8)
+    labels[3, [2, 3, 6, 8]] = torch.tensor([4, 5, 6, 2])  # two answers of one conversation
+    keep = predicts_answer(labels)
+    pos = answer_positions(labels)
+    hidden = torch.randn(4, 9, 5)
+    assert torch.equal(hidden.flatten(0, 1).index_select(0, pos["flat"]), hidden[keep])
+    assert torch.equal(pos["targets"], labels[:, 1:][keep[:, :-1]])
+    assert pos["rows"].tolist() == [0, 0] + [2] * 7 + [3] * 4
+    nothing = answer_positions(torch.full((2, 5), IGNORE_INDEX))  # a step of stand-ins only
+    assert [len(v) for v in nothing.values()] == [0, 0, 0]
+
+
+def test_precomputed_positions_give_the_same_losses_bitwise(tiny_models, digits):
+    folder = tiny_models("qwen2_vl")
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
+    batch = make_batch(load_processor(folder), _examples(digits))
+    labels = batch.pop("labels")
+    keep = predicts_answer(labels)
+    with torch.no_grad():
+        by_mask = F.cross_entropy(
+            model(**batch, logits_to_keep=keep).logits.float(), labels[:, 1:][keep[:, :-1]], reduction="none"
+        )
+        losses, rows = answer_token_losses(model, batch, labels, answer_positions(labels))
+        assert model(**batch).logits.shape[:2] == labels.shape, "the lm_head hook must not outlive its pass"
+    assert torch.equal(losses, by_mask)
+    assert torch.equal(rows, keep.nonzero()[:, 0])
 
 
 def _checkpointed_layers(model, prefix: str) -> list:

@@ -84,6 +84,9 @@ def step_inputs(build: Callable[[int], T], steps: range, workers: int, ahead: in
         multiprocessing_context=multiprocessing.get_context("fork"),
         timeout=WORKER_TIMEOUT_S,
         worker_init_fn=functools.partial(_die_with_parent, os.getpid()),
+        # on a GPU node, the batches arrive in page-locked memory (the loader's thread in this process
+        # pins them, through the item's own `pin_memory`), so their copies to the GPU are asynchronous
+        pin_memory=torch.cuda.is_available(),
     )
     # Started here, not at the first step: starting draws the workers' base seed from torch's global
     # generator, which each training step seeds for its dropout noise just before it takes its batches

@@ -146,12 +146,12 @@ def _last_checkpoint_bytes(run_dir: str) -> int | None:
 
     fs, root = filesystem(run_dir)
     infos = fs.get_file_info(pyarrow.fs.FileSelector(root, recursive=True))
-    names = {i.path.split("/checkpoint_")[1].split("/")[0] for i in infos if "/checkpoint_" in i.path}
-    folders = sorted(names)  # Ray names them checkpoint_<date and time>: in order
+    files = [(i.path[len(root) :].lstrip("/"), i.size) for i in infos if i.type == pyarrow.fs.FileType.File]
+    # Ray names the folders checkpoint_<date and time>: in order
+    folders = sorted({rel.split("/")[0] for rel, _ in files if rel.startswith("checkpoint_") and "/" in rel})
     if not folders:
         return None
-    last = f"/checkpoint_{folders[-1]}/"
-    return sum(i.size for i in infos if last in i.path and i.type == pyarrow.fs.FileType.File)
+    return sum(size for rel, size in files if rel.startswith(folders[-1] + "/"))
 
 
 if __name__ == "__main__":

@@ -85,21 +85,34 @@ def _make_digits(args) -> int:
 def _export(args) -> int:
     from raylora.export import export
 
-    print(export(args.checkpoint, args.out, merge=args.merge, model_path=args.model))
+    print(export(args.checkpoint, args.out, merge=args.merge, model_path=args.model, device=args.device))
     return 0
 
 
 def _eval(args) -> int:
     from raylora.data.formats import check_source
-    from raylora.evaluate import evaluate, load_for_inference
-    from raylora.export import base_model_path, verified_state
+    from raylora.evaluate import evaluate, inference_device, load_for_inference
+    from raylora.export import base_model_path, local_checkpoint, verified_state
 
-    state = verified_state(args.checkpoint)
-    model_path = base_model_path(state, args.model)
-    check_source(args.data, "--data")
-    model, processor = load_for_inference(args.checkpoint, model_path)
-    scores = evaluate(model, processor, args.data, batch_size=args.batch_size, max_samples=args.max_samples)
-    print(json.dumps({"checkpoint": args.checkpoint, "step": state.step, **scores}, indent=2))
+    inference_device(args.device)  # --device cuda on a node without one: said before anything is read
+    with local_checkpoint(args.checkpoint) as folder:  # a URI is downloaded, then removed after loading
+        state = verified_state(folder, args.checkpoint)
+        model_path = base_model_path(state, args.model)
+        check_source(args.data, "--data", args.format, args.image_root)
+        model, processor = load_for_inference(folder, model_path, device=args.device)
+    scores = evaluate(
+        model,
+        processor,
+        args.data,
+        batch_size=args.batch_size,
+        max_samples=args.max_samples,
+        fmt=args.format,
+        image_root=args.image_root,
+    )
+    device = str(next(model.parameters()).device)
+    print(
+        json.dumps({"checkpoint": args.checkpoint, "step": state.step, "device": device, **scores}, indent=2)
+    )
     return 0
 
 
@@ -189,17 +202,31 @@ def parser() -> argparse.ArgumentParser:
     x = sub.add_parser(
         "export", help="write a checkpoint as a PEFT adapter folder, or merged as a full model"
     )
-    x.add_argument("checkpoint", help="checkpoint folder")
-    x.add_argument("--out", required=True, help="new (or empty) output folder")
+    x.add_argument("checkpoint", help="checkpoint folder: a path or a URI (s3://, gs://)")
+    x.add_argument("--out", required=True, help="new (or empty) output folder: a path or a URI")
     x.add_argument("--merge", action="store_true", help="merge LoRA into the base model and save it whole")
     x.add_argument("--model", help="base model folder or Hub id (default: the checkpoint's state.json)")
+    x.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),  # raylora.evaluate.DEVICES, without importing torch
+        help="where --merge computes, in fp32 (default auto: a GPU when the node has one)",
+    )
     x.set_defaults(fn=_export)
     e = sub.add_parser("eval", help="exact-match accuracy and answer loss of a checkpoint on a Parquet file")
-    e.add_argument("checkpoint", help="checkpoint folder")
+    e.add_argument("checkpoint", help="checkpoint folder: a path or a URI (s3://, gs://)")
     e.add_argument("--data", required=True, help="held-out data file or folder, any supported format")
+    e.add_argument("--format", help="the data's format (default: detected, as data.format)")
+    e.add_argument("--image-root", help="folder that relative image paths are resolved against")
     e.add_argument("--max-samples", type=_positive_int, help="evaluate the first N rows only")
     e.add_argument("--batch-size", type=_positive_int, default=32, help="samples per batch (default 32)")
     e.add_argument("--model", help="base model folder or Hub id (default: the checkpoint's state.json)")
+    e.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),  # raylora.evaluate.DEVICES, without importing torch
+        help="where to score (default auto: a GPU in bf16 when the node has one, else the CPU in fp32)",
+    )
     e.set_defaults(fn=_eval)
     pd = sub.add_parser(
         "prepare-data",

@@ -1,31 +1,90 @@
-"""Using a checkpoint without DeepSpeed: plain PEFT on the base model, then generation."""
+"""Scoring a model on held-out data: a checkpoint without DeepSpeed (plain PEFT on the base model, for
+`raylora eval` and `export --merge`), and the evaluation inside ZeRO-3 training (`evaluate_sharded`).
+
+Where a checkpoint is scored: `inference_device` (a GPU when the node has one, `--device` forces it) in
+`inference_dtype` (bf16 on a GPU that has it: llava-1.5-7b takes 14 GB there instead of 28 in fp32; fp32
+on the CPU, whose bf16 kernels are slow on most CPUs).
+"""
 
 from __future__ import annotations
 
+import copy
+import gc
+import logging
+import math
+import os
 from pathlib import Path
 
 import torch
-from peft import PeftModel
+from peft import PeftModel, get_peft_model
 
 from raylora import checkpoint, hub
 from raylora.arch import auto_model_class, remote_code
+from raylora.config import ConfigError
 from raylora.data.batches import make_batch, read, stand_in
 from raylora.data.formats import BadRow, Rows, open_rows
 from raylora.data.labels import end_of_turn_ids, last_answer
 from raylora.data.processor import load_processor
 from raylora.loss import answer_token_losses
 
+log = logging.getLogger("raylora")
+DEVICES = ("auto", "cpu", "cuda")
 
-def load_for_inference(folder: str | Path, model_path: str | None = None):
-    """(model, processor) from a raylora checkpoint: `PeftModel.from_pretrained` plus trained modules."""
+
+def inference_device(choice: str = "auto") -> torch.device:
+    """Where a checkpoint is scored or merged: `auto` is a GPU when this node has one, else the CPU."""
+    if choice not in DEVICES:
+        raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {choice!r}")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this node has no CUDA GPU (torch.cuda.is_available() is false)")
+    return torch.device(choice)
+
+
+def inference_dtype(device: torch.device | str) -> torch.dtype:
+    """bf16 on a GPU that computes in it, fp32 elsewhere (the CPU, and GPUs older than Ampere, where fp16
+    would be the only half precision and overflows on weights trained in bf16)."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def place(model: torch.nn.Module, device: torch.device, forced: bool) -> torch.nn.Module:
+    """`model` on `device`. A GPU too small for it leaves it on the CPU in fp32 with a warning, as on a
+    node without a GPU, unless the GPU was asked for (`forced`: the out-of-memory error is raised)."""
+    try:
+        return model.to(device)
+    except torch.OutOfMemoryError:
+        if forced:
+            raise
+        model.to("cpu", torch.float32)
+        torch.cuda.empty_cache()
+        log.warning(
+            "the model does not fit on %s: running on the CPU in fp32 (--device cuda to insist)", device
+        )
+        return model
+
+
+def load_for_inference(
+    folder: str | Path,
+    model_path: str | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+):
+    """(model, processor) from a local raylora checkpoint folder: `PeftModel.from_pretrained` plus the
+    trained modules, on `device` (`auto`, `cpu`, `cuda`: `inference_device`) in `dtype` (default:
+    `inference_dtype` of the device)."""
     folder = Path(folder)
+    forced = str(device) != "auto"
+    device = inference_device(device) if str(device) in DEVICES else torch.device(device)
     checkpoint.verify(folder)
     state = checkpoint.read_state(folder)
     trained_on = state.config["model"]
     model_path = model_path or hub.resolve(trained_on["path"], trained_on.get("revision"))
     trust = bool(trained_on.get("trust_remote_code"))
     base = auto_model_class(remote_code(model_path) if trust else {}).from_pretrained(
-        model_path, dtype=torch.float32, trust_remote_code=trust
+        model_path, dtype=dtype or inference_dtype(device), trust_remote_code=trust
     )
     model = PeftModel.from_pretrained(base, str(folder))
     trained = checkpoint.read_trained_modules(folder)
@@ -35,7 +94,8 @@ def load_for_inference(folder: str | Path, model_path: str | None = None):
             raise checkpoint.CheckpointError(f"{folder}: trained modules not in the model: {unexpected[:3]}")
     model.eval()
     data = state.config.get("data", {})  # the resolution the adapter was trained at
-    return model, load_processor(model_path, data.get("max_pixels"), data.get("min_pixels"), trust)
+    processor = load_processor(model_path, data.get("max_pixels"), data.get("min_pixels"), trust)
+    return place(model, device, forced), processor
 
 
 def generation_budget(tokenizer, answers: list[str]) -> int:
@@ -96,6 +156,26 @@ def score(
     }
 
 
+KEYS = ("correct", "stopped", "loss_sum", "tokens", "samples")
+
+
+def _score_rows(model, processor, data: Rows, rows, batch_size: int, device) -> dict[str, float]:
+    """`score` totals over `rows` of `data`, `batch_size` rows at a time; a bad row is left out."""
+    totals = dict.fromkeys(KEYS, 0.0)
+    rows = list(rows)
+    for start in range(0, len(rows), batch_size):
+        examples = []
+        for i in rows[start : start + batch_size]:
+            try:
+                examples.append(read(data, i))
+            except BadRow:
+                continue
+        if examples:
+            for key, value in score(model, processor, examples, device=device).items():
+                totals[key] += value
+    return totals
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -106,21 +186,13 @@ def evaluate(
     fmt: str | None = None,
     image_root: str | None = None,
 ) -> dict:
-    """Exact-match accuracy of generated answers and the mean answer-token loss, in one process, over the
-    first `max_samples` rows; rows that cannot be scored (`BadRow`) are left out and counted."""
+    """Exact-match accuracy of generated answers and the mean answer-token loss, in one process on the
+    model's device, over the first `max_samples` rows; rows that cannot be scored (`BadRow`) are left out
+    and counted."""
     data = open_rows(data_uri, fmt, image_root)
     n = len(data) if max_samples is None else min(max_samples, len(data))
-    totals = {"correct": 0.0, "stopped": 0.0, "loss_sum": 0.0, "tokens": 0.0, "samples": 0.0}
-    for start in range(0, n, batch_size):
-        examples = []
-        for i in range(start, min(n, start + batch_size)):
-            try:
-                examples.append(read(data, i))
-            except BadRow:
-                continue
-        if examples:
-            for key, value in score(model, processor, examples).items():
-                totals[key] += value
+    device = next(model.parameters()).device
+    totals = _score_rows(model, processor, data, range(n), batch_size, device)
     return {
         "accuracy": totals["correct"] / max(totals["samples"], 1),
         # answers the model ended by itself; the others ran into the generation budget
@@ -131,24 +203,175 @@ def evaluate(
     }
 
 
-@torch.no_grad()
-def evaluate_sharded(engine, processor, data: Rows, max_samples: int, batch_size: int) -> dict:
-    """Inside ZeRO-3 training: score the first `max_samples` of `data`, sharded over the ranks.
+# ------------------------------------------------------------------------- inside ZeRO-3 training
 
-    Every rank must call this. Every rank runs the same number of batches (short shards repeat a
-    sample that is not counted; a bad row is a stand-in, not counted either) and generates with
-    `synced_gpus`, because ZeRO-3 needs every rank in every forward pass. Returns the same numbers on every
-    rank.
+COPY_CHUNK = 1 << 28
+"""Elements of the ZeRO-3 model gathered at once while `gathered_copy` copies it (512 MiB in bf16): what
+a rank holds beside the copy while it is built."""
+COPY_HEADROOM = 1.25
+"""The copy fits when this many times its bytes are free: the rest is for generation's activations and KV
+cache (llava-1.5-7b, 4 samples of 650 tokens: a KV cache of 1.4 GB beside the copy's 14 GB)."""
+
+
+def copy_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a whole copy of the (ZeRO-3 partitioned) model's parameters and buffers."""
+    from raylora.zero import full_shape
+
+    params = sum(math.prod(full_shape(p)) * p.element_size() for p in model.parameters())
+    return params + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory this rank may still take on `device`: the GPU's free memory plus what torch's caching
+    allocator holds unused; on the CPU, the host's available memory shared by the node's ranks."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as f:  # free memory plus the page cache the kernel can drop
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    return available // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+@torch.no_grad()
+def gathered_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A plain copy of the ZeRO-3 PeftModel `model` on this rank, on `device`: the same modules, dtypes
+    and values, with no ZeRO-3 hooks, so it runs forward passes without any collective.
+
+    Built on the meta device from the model's own config and adapter config (no weights, no memory),
+    then filled: the partitioned parameters are gathered `COPY_CHUNK` elements at a time
+    (`GatheredParameters` with no modifier rank: read, never written, released as they were; those
+    already gathered, ZeRO-3's persistent ones and any the engine kept from its last pass, are copied as
+    they are and left so), the buffers copied.
+    Every rank must call this (the gathers are collectives). The engine, its fp32 masters and optimizer
+    state are only read.
+    """
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    from raylora.ds import ZeroParamStatus, deepspeed
+    from raylora.zero import is_partitioned
+
+    if is_deepspeed_zero3_enabled():  # from_config would partition the copy under zero.Init
+        raise RuntimeError("gathered_copy: an HfDeepSpeedConfig is still alive; drop it after initialize")
+    source = model.base_model.model
+    adapter = copy.deepcopy(model.peft_config["default"])
+    adapter.init_lora_weights = True  # the values are overwritten: skip PiSSA's SVD and the like
+    config = copy.deepcopy(source.config)  # from_config writes into the config it is given
+    auto_map = getattr(config, "auto_map", None) or {}
+    # the meta device draws no random numbers, but forking keeps training's generator out of it for sure
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        skeleton = auto_model_class(auto_map).from_config(config, trust_remote_code=bool(auto_map))
+        plain = get_peft_model(skeleton, adapter, autocast_adapter_dtype=False)
+    values: dict[int, torch.Tensor] = {}
+    params = list(model.parameters())  # each tied parameter once
+    start, numel = 0, 0
+    for i, param in enumerate(params):
+        numel += param.ds_numel if is_partitioned(param) else param.numel()
+        if numel < COPY_CHUNK and i + 1 < len(params):
+            continue
+        chunk, start, numel = params[start : i + 1], i + 1, 0
+        away = [p for p in chunk if is_partitioned(p) and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        with deepspeed.zero.GatheredParameters(away):
+            for p in chunk:
+                values[id(p)] = p.data.to(device, copy=True)
+    made: dict[int, torch.nn.Parameter] = {}  # a tied parameter stays one parameter in the copy
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owner, _, leaf = name.rpartition(".")
+        if id(param) not in made:
+            made[id(param)] = torch.nn.Parameter(values[id(param)], requires_grad=False)
+        plain.get_submodule(owner)._parameters[leaf] = made[id(param)]
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        owner, _, leaf = name.rpartition(".")
+        plain.get_submodule(owner)._buffers[leaf] = buffer.detach().to(device, copy=True)
+    left = [n for n, t in [*plain.named_parameters(), *plain.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"gathered_copy: the copy's {left[:3]} have no counterpart in the model")
+    plain.base_model.model.generation_config = copy.deepcopy(source.generation_config)
+    return plain.eval()
+
+
+def copy_fits(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether a `gathered_copy` of `model` fits on every rank (a collective: every rank must call it,
+    and all get the same answer, so that all take the same path)."""
+    import torch.distributed as dist
+
+    size = copy_bytes(model)
+    fits = torch.tensor([int(free_bytes(device) >= COPY_HEADROOM * size)], device=device)
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    if not fits.item() and dist.get_rank() == 0:
+        log.warning(
+            "evaluation: a copy of the model (%.1f GB) does not fit beside training on some rank; "
+            "generating under ZeRO-3, which gathers the model for every generated token",
+            size / 1e9,
+        )
+    return bool(fits.item())
+
+
+@torch.no_grad()
+def evaluate_sharded(
+    engine, processor, data: Rows, max_samples: int, batch_size: int, gather: bool | None = None
+) -> dict:
+    """Inside ZeRO-3 training: score the first `max_samples` of `data`, sharded over the ranks. Every rank
+    must call this; it returns the same numbers on every rank.
+
+    Each rank scores its shard on a copy of the model gathered once per evaluation (`gathered_copy`),
+    then drops it. Generating under ZeRO-3 instead gathers the model again for every forward pass, that
+    is for every generated token: llava-1.5-7b (14 GB in bf16) at jobs/llava-1.5-7b.yaml's scale (16
+    ranks, micro batch 4, 256 samples, 10-token answers) runs 148 passes per rank per evaluation and
+    gathers 2 TB per rank, against 14 GB once (bench/eval_gather.py, which measures 41 times the bytes
+    and 7 times the seconds at the tiny size). `GatheredParameters` around `generate` would not keep the
+    parameters whole: DeepSpeed 0.19.8's post-forward hook (`PartitionedParameterCoordinator.
+    release_sub_module`) re-partitions every parameter that is not persistent or external as soon as its
+    module's forward ends, gathered by the context or not, and the next pass gathers it again (without
+    `synced_gpus`, the rank that finishes first then leaves the others waiting in those gathers). The
+    copy has no hooks: each rank generates its own shard at its own length, with no collective until
+    the totals' all-reduce.
+
+    The copy costs its whole size on each rank beside the ZeRO-3 partitions: for llava-1.5-7b in bf16,
+    14 GB + 14/world GB, which fits an 80 GB (or 40 GB) card next to the LoRA masters and Adam moments.
+    Where it does not fit on some rank (`copy_fits`: a 70B model), or with `gather=False`, the ranks
+    generate under ZeRO-3 in lockstep (`synced_gpus`), as before. Neither path writes the engine's
+    parameters, fp32 masters or optimizer state, nor draws from the random generators, so the training
+    that follows is the same with or without evaluation (tests/test_eval_sharded.py).
     """
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = engine.device
     n = min(len(data), max_samples)
     per_rank = -(-n // world)
     mine = list(range(rank * per_rank, min(n, (rank + 1) * per_rank)))
+    if gather if gather is not None else copy_fits(engine.module, device):
+        model = gathered_copy(engine.module, device)
+        totals = _score_rows(model, processor, data, mine, batch_size, device)
+        del model
+        gc.collect()  # PEFT's modules refer to each other: free the copy now, not at some later collection
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    else:
+        totals = _score_in_lockstep(engine, processor, data, mine, per_rank, batch_size)
+    summed = torch.tensor([totals[k] for k in KEYS], dtype=torch.float64, device=device)
+    dist.all_reduce(summed)  # NCCL serves device tensors only
+    correct, stopped, loss_sum, tokens, samples = summed.tolist()
+    return {
+        "eval_accuracy": correct / max(samples, 1),
+        "eval_loss": loss_sum / max(tokens, 1),
+        "eval_stopped": stopped / max(samples, 1),
+    }
+
+
+def _score_in_lockstep(
+    engine, processor, data: Rows, mine: list[int], per_rank: int, batch_size: int
+) -> dict:
+    """`score` totals of this rank's rows under ZeRO-3: every rank runs the same number of batches (a
+    short shard repeats a sample that is not counted; a bad row is a stand-in, not counted either) and
+    generates with `synced_gpus`, because ZeRO-3 needs every rank in every forward pass."""
     counted = [True] * len(mine) + [False] * (per_rank - len(mine))
-    mine += [0] * (per_rank - len(mine))
-    totals = torch.zeros(5, dtype=torch.float64, device=engine.device)  # NCCL serves device tensors only
+    mine = mine + [0] * (per_rank - len(mine))
+    totals = dict.fromkeys(KEYS, 0.0)
     model = engine.module
     model.eval()
     for i in range(0, per_rank, batch_size):
@@ -163,20 +386,9 @@ def evaluate_sharded(engine, processor, data: Rows, max_samples: int, batch_size
             # ranks wait for each other in the vision tower's parameter gathers: every rank must run it
             examples.append(stand_in())
             keep.append(False)
-        r = score(
-            model,
-            processor,
-            examples,
-            keep,
-            synced_gpus=True,
-            device=engine.device,
-        )
-        scores = [r["correct"], r["loss_sum"], r["tokens"], r["samples"], r["stopped"]]
-        totals += torch.tensor(scores, dtype=torch.float64, device=engine.device)
+        for key, value in score(
+            model, processor, examples, keep, synced_gpus=True, device=engine.device
+        ).items():
+            totals[key] += value
     model.train()
-    dist.all_reduce(totals)
-    return {
-        "eval_accuracy": totals[0].item() / max(totals[3].item(), 1),
-        "eval_loss": totals[1].item() / max(totals[2].item(), 1),
-        "eval_stopped": totals[4].item() / max(totals[3].item(), 1),
-    }
+    return totals

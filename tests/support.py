@@ -226,10 +226,13 @@ def on_workers(
     import ray.train
     from ray.train.torch import TorchTrainer
 
+    from raylora import storage as storages
+
     trainer = TorchTrainer(
         fn,
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
-        run_config=ray.train.RunConfig(name=name, storage_path=str(Path(storage).resolve())),
+        # a URI (s3://) as it is: pathlib would fold its "//" into a local folder named "s3:"
+        run_config=ray.train.RunConfig(name=name, storage_path=storages.absolute(str(storage))),
     )
     return trainer.fit().return_value
 

@@ -1,4 +1,5 @@
-"""`raylora export` and `raylora eval` on checkpoints written without Ray.
+"""`raylora export` and `raylora eval` on checkpoints written without Ray, on the local disk and in object
+storage (a real S3 endpoint on 127.0.0.1, tests.support.S3Server), and where they compute (`--device`).
 
 The checkpoints are built the way a worker builds its model (`build_model`, `set_trainable`), with
 every trainable tensor perturbed so that LoRA B and the vision tower / aligner are far from their
@@ -8,17 +9,23 @@ initial values, then written with `checkpoint.save`, as `worker.save_checkpoint`
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pyarrow.fs
 import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from raylora import checkpoint, cli, config
+from raylora import checkpoint, cli, config, evaluate
 from raylora.arch import detect
+from raylora.config import ConfigError
 from raylora.data.batches import make_batch, read
 from raylora.data.formats import open_rows
 from raylora.data.labels import end_of_turn_ids
@@ -189,3 +196,148 @@ def test_eval_prints_accuracy_and_loss(trained, digits, capsys):
     alone = evaluate(model, processor, str(digits[1]), batch_size=4, max_samples=6)
     assert result["accuracy"] == alone["accuracy"]
     assert result["loss"] == pytest.approx(alone["loss"], rel=1e-6) and result["loss"] > 0
+
+
+# ---------------------------------------------------------------------------------- object storage
+
+
+def _raylora(*argv: str) -> subprocess.CompletedProcess:
+    """The `raylora` command as a user runs it: the virtualenv's script, in a process of its own, with the
+    S3 endpoint's environment (the `s3` fixture put it into this process's)."""
+    command = Path(sys.executable).parent / "raylora"
+    return subprocess.run(
+        [str(command), *argv], capture_output=True, text=True, env=dict(os.environ), timeout=600
+    )
+
+
+def _upload_folder(s3, local: Path, *parts: str) -> str:
+    """Copy folder `local` to `s3://bucket/parts...`, recursively; returns its URI."""
+    uri = s3.uri(*parts)
+    pyarrow.fs.copy_files(str(local), uri.removeprefix("s3://"), pyarrow.fs.LocalFileSystem(), s3.fs())
+    return uri
+
+
+def _files(fs: pyarrow.fs.FileSystem, path: str) -> dict[str, bytes]:
+    """Every file under `path` by its path relative to it, with its bytes."""
+    out = {}
+    for info in fs.get_file_info(pyarrow.fs.FileSelector(path, recursive=True)):
+        if info.type == pyarrow.fs.FileType.File:
+            with fs.open_input_stream(info.path) as f:
+                out[info.path[len(path.rstrip("/")) + 1 :]] = f.read()
+    return out
+
+
+@pytest.fixture(scope="module")
+def s3_checkpoint(s3, tiny_models, digits, tmp_path_factory):
+    """(local checkpoint folder, the same uploaded to s3://bucket/runs/NAME/checkpoint_000005)."""
+    local = make_checkpoint(
+        tmp_path_factory.mktemp("s3-ckpt") / "checkpoint_000005", tiny_models("llava"), digits[0]
+    )
+    return local, _upload_folder(s3, local, "runs", "exported", "checkpoint_000005")
+
+
+def test_eval_takes_an_s3_checkpoint_uri(s3, s3_checkpoint, digits, capsys):
+    local, uri = s3_checkpoint
+    data = s3.upload(digits[1], "data", "eval.parquet")  # the held-out data in the bucket as well
+    proc = _raylora("eval", uri, "--data", data, "--max-samples", "6", "--batch-size", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    remote = json.loads(proc.stdout)
+    assert remote["checkpoint"] == uri and remote["device"] == "cpu"  # no GPU here: auto is the CPU
+    argv = ["eval", str(local), "--data", str(digits[1]), "--max-samples", "6", "--batch-size", "4"]
+    assert cli.main(argv) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert {k: v for k, v in remote.items() if k not in ("checkpoint", "loss")} == {
+        k: v for k, v in alone.items() if k not in ("checkpoint", "loss")
+    }
+    assert remote["loss"] == pytest.approx(alone["loss"], rel=1e-6)
+
+
+def test_export_takes_s3_uris_both_ways(s3, s3_checkpoint, tmp_path):
+    local, uri = s3_checkpoint
+    fs = s3.fs()
+    # s3 -> local adapter, in this process; and local -> s3, which must equal it file for file
+    assert cli.main(["export", uri, "--out", str(tmp_path / "adapter")]) == 0
+    assert cli.main(["export", str(local), "--out", s3.uri("exports", "adapter")]) == 0
+    local_files = _files(pyarrow.fs.LocalFileSystem(), str(tmp_path / "adapter"))
+    assert sorted(local_files) == sorted(
+        [checkpoint.ADAPTER_CONFIG, checkpoint.ADAPTER_WEIGHTS, checkpoint.TRAINED_MODULES]
+    )
+    assert _files(fs, f"{s3.bucket}/exports/adapter") == local_files
+    # s3 -> s3 merged, as a user runs it; the same files as a merge from the local folder
+    proc = _raylora("export", uri, "--out", s3.uri("exports", "merged"), "--merge", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the last line (DeepSpeed, which transformers imports while saving, prints a line of its own before)
+    assert proc.stdout.splitlines()[-1] == s3.uri("exports", "merged")
+    assert cli.main(["export", str(local), "--out", str(tmp_path / "merged"), "--merge"]) == 0
+    merged = _files(fs, f"{s3.bucket}/exports/merged")
+    assert "config.json" in merged and "model.safetensors" in merged
+    assert merged == _files(pyarrow.fs.LocalFileSystem(), str(tmp_path / "merged"))
+    # an output prefix that holds files is refused before anything is read
+    assert cli.main(["export", uri, "--out", s3.uri("exports", "adapter")]) == 2
+
+
+def test_eval_and_export_name_a_damaged_or_missing_s3_checkpoint(s3, s3_checkpoint, digits, tmp_path, capsys):
+    local, _ = s3_checkpoint
+    damaged = tmp_path / "damaged"
+    shutil.copytree(local, damaged)
+    data = bytearray((damaged / checkpoint.ADAPTER_WEIGHTS).read_bytes())
+    data[-1] ^= 0xFF
+    (damaged / checkpoint.ADAPTER_WEIGHTS).write_bytes(bytes(data))
+    uri = _upload_folder(s3, damaged, "runs", "damaged", "checkpoint_000005")
+    assert cli.main(["eval", uri, "--data", str(digits[1])]) == 2
+    err = capsys.readouterr().err
+    assert f"{uri}: file adapter_model.safetensors does not match its sha256" in err, err
+    assert cli.main(["export", uri, "--out", str(tmp_path / "out")]) == 2
+    assert f"{uri}: file adapter_model.safetensors" in capsys.readouterr().err
+    missing = s3.uri("runs", "nothing", "checkpoint_000001")
+    assert cli.main(["export", missing, "--out", str(tmp_path / "out")]) == 2
+    assert f"{missing}: no such folder" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------------------- devices
+
+
+def test_device_and_dtype_choice(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert evaluate.inference_device("auto") == torch.device("cpu")
+    assert evaluate.inference_device("cpu") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="no CUDA GPU"):
+        evaluate.inference_device("cuda")
+    assert evaluate.inference_dtype("cpu") == torch.float32
+    # a GPU node: auto takes the GPU, in bf16 where the GPU computes in it, fp32 on older ones
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert evaluate.inference_device("auto") == torch.device("cuda")
+    assert evaluate.inference_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert evaluate.inference_dtype(torch.device("cuda")) == torch.bfloat16
+    assert evaluate.inference_dtype("cpu") == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert evaluate.inference_dtype("cuda") == torch.float32
+
+
+class _TooBigForTheGpu(torch.nn.Linear):
+    """A model that the GPU has no room for: moving it there raises what CUDA raises."""
+
+    def to(self, *args, **kwargs):
+        if any(torch.device(a).type == "cuda" for a in args if isinstance(a, str | torch.device)):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return super().to(*args, **kwargs)
+
+
+def test_a_gpu_too_small_leaves_auto_on_the_cpu(caplog):
+    model = _TooBigForTheGpu(2, 2).to(torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="raylora"):
+        placed = evaluate.place(model, torch.device("cuda"), forced=False)
+    assert placed.weight.device.type == "cpu" and placed.weight.dtype == torch.float32
+    assert "does not fit on cuda" in caplog.text
+    with pytest.raises(torch.OutOfMemoryError):  # --device cuda: asked for, so the error stands
+        evaluate.place(model, torch.device("cuda"), forced=True)
+
+
+def test_eval_on_cuda_without_a_gpu_is_refused_at_once(trained, digits, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this node has a GPU")
+    _, _, ckpt = trained
+    assert cli.main(["eval", str(ckpt), "--data", str(digits[1]), "--device", "cuda"]) == 2
+    assert "--device cuda: this node has no CUDA GPU" in capsys.readouterr().err

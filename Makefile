@@ -35,6 +35,7 @@ bench: install
 	$(PY) bench/checkpoint_stall.py
 	$(PY) bench/checkpoint_stall.py --s3
 	$(PY) bench/metrics_log.py
+	$(PY) bench/eval_gather.py
 	$(PY) bench/save_collectives.py
 	$(PY) bench/throughput.py
 	$(PY) bench/recovery.py

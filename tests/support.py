@@ -58,6 +58,7 @@ class S3Server:
     (endpoint, any credentials, a region); `bucket` exists."""
 
     def __init__(self, bucket: str = "raylora-test"):
+        import atexit
         import socket
         import subprocess
         import time
@@ -87,6 +88,7 @@ class S3Server:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("moto_server did not start") from None
                 time.sleep(0.1)
+        atexit.register(self.stop)  # a script that ends by an error leaves no server behind
         self.fs().create_dir(bucket)  # pyarrow creates a bucket for a top-level folder
 
     def fs(self):
@@ -112,8 +114,9 @@ class S3Server:
         return "s3://" + key
 
     def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
 
 
 class CountingFileSystem:

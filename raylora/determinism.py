@@ -40,9 +40,16 @@ def use_deterministic_kernels(enabled: bool) -> None:
     # none, out of the choice; with warn_only they warn and stay nondeterministic. Scatter, index_add and
     # index_put (embedding and gather backward, the answer-row selection) switch to sorted,
     # deterministic versions. An op that has no deterministic version raises at its first use instead of
-    # silently breaking the guarantee: train.deterministic=false is the way out. (torch also fills
-    # `torch.empty` memory with NaN in this mode, so a read of uninitialised memory shows.)
+    # silently breaking the guarantee: train.deterministic=false is the way out.
     torch.use_deterministic_algorithms(True, warn_only=False)
+    # In this mode torch also writes NaN into every `torch.empty` allocation, so that a read of
+    # uninitialised memory shows. DeepSpeed allocates large buffers ahead with `torch.empty` (the whole
+    # 5e8-element fp32 reduce bucket: 2 GB per rank), whose pages would then all be touched: on 2 CPU
+    # workers that took each one's resident memory to 10 GB and the node into Ray's OOM killer; on a GPU,
+    # ~14 GB of writes per gather of a 7B base. Nothing raylora computes reads uninitialised memory (the
+    # runs are bitwise equal with the fill and without), so it is turned off: determinism of the kernels
+    # stays as above.
+    torch.utils.deterministic.fill_uninitialized_memory = False
     # cuDNN's convolutions (the vision tower's patch embedding, in its backward when the tower trains):
     # deterministic algorithms only, and no benchmarking, which could pick another of them on each run.
     torch.backends.cudnn.deterministic = True

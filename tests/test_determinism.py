@@ -22,10 +22,12 @@ def restored_torch_settings() -> Iterator[None]:
     `use_deterministic_kernels` sets, as they were before it."""
     mode = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     cudnn = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     env = {key: os.environ.get(key) for key in ENV}
     try:
         yield
     finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
         torch.use_deterministic_algorithms(mode[0], warn_only=mode[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
         for key, value in env.items():
@@ -46,6 +48,8 @@ def test_sets_what_cuda_needs_and_is_undone_after(monkeypatch):
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
         assert os.environ["FLASH_ATTENTION_DETERMINISTIC"] == "1"
+        # buffers allocated ahead (DeepSpeed's 2 GB reduce bucket) stay untouched pages, not NaN-filled
+        assert not torch.utils.deterministic.fill_uninitialized_memory
     assert (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark) == before
     assert not any(key in os.environ for key in ENV)
 

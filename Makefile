@@ -44,6 +44,7 @@ bench: install
 	$(PY) bench/memory.py
 	$(PY) bench/pipeline.py
 	$(PY) bench/data_scale.py
+	$(PY) bench/padding.py
 
 lint: install
 	$(VENV)/bin/ruff check raylora tests bench jobs

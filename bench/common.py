@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import shlex
+import socket
 import statistics
 import sys
 import threading
@@ -48,6 +49,13 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 def repeats(args: argparse.Namespace, default: int = 3) -> int:
     return args.repeats or (1 if args.tiny else default)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def median(samples: list[float]) -> float:

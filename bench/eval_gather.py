@@ -19,7 +19,6 @@ import json
 import math
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import common
@@ -160,12 +159,6 @@ def plain_worker(rank: int, world: int, port: int, cfg, samples: int, reps: int,
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def on_paper_7b(
     eval_samples: int = 256, world: int = 16, micro_batch: int = 4, answer_tokens: int = 10
 ) -> dict:
@@ -223,7 +216,7 @@ def main() -> None:
         "data.workers=0",
     )
     out = work / "rows.json"
-    mp.spawn(plain_worker, args=(2, free_port(), cfg, samples, reps, str(out)), nprocs=2)
+    mp.spawn(plain_worker, args=(2, common.free_port(), cfg, samples, reps, str(out)), nprocs=2)
     raw = json.loads(out.read_text())
     settings = {name: summarise(result, reps) for name, result in raw.items()}
     main_setting = settings["as_a_7b_model"]

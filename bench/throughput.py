@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -48,12 +47,6 @@ def plain_worker(rank: int, world: int, port: int, cfg, steps: int, out: str) ->
         Path(out).write_text(json.dumps({"times": times, "threads": torch.get_num_threads()}))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rate(times: list[float], warmup: int) -> float:
@@ -140,7 +133,7 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         out = work / f"plain-{name}.json"
         load["plain"].append(os.getloadavg()[0])
         sampler = common.CpuSampler()
-        mp.spawn(plain_worker, args=(2, free_port(), cfg(f"plain-{name}"), steps, str(out)), nprocs=2)
+        mp.spawn(plain_worker, args=(2, common.free_port(), cfg(f"plain-{name}"), steps, str(out)), nprocs=2)
         times = json.loads(out.read_text())["times"]
         samples["plain"].append(rate(times, warmup))
         add_cores("plain", sampler, times)

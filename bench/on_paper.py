@@ -5,8 +5,9 @@ from config classes with no weights (`torch.device("meta")`), LoRA r=16 on every
 language model exactly as raylora's workers add it (`raylora.model.meta_model`, `mark_trained`), vision
 tower and aligner frozen, then trained. Then the memory per GPU of the shipped job configs (activations and
 ZeRO-3's shares as DeepSpeed 0.19 allocates them) and what keeping the frozen base resident
-(`train.param_persistence_threshold`) costs in memory and saves in all-gathers. Bytes are computed, not
-measured; the assumptions are in the JSON.
+(`train.param_persistence_threshold`) costs in memory and saves in all-gathers; and what packing
+(train.packing) saves per step on bench/padding.py's length mixes, in FLOPs and passes. Bytes and FLOPs are
+computed, not measured; the assumptions are in the JSON.
 """
 
 from __future__ import annotations
@@ -396,6 +397,89 @@ def memory_per_gpu(name: str, model_config, arch_name: str) -> dict:
     }
 
 
+def packing_on_paper(name: str, model_config, steps: int, samples: int) -> dict:
+    """A step of the shipped job config padded against packed, in the language model's FLOPs, on the length
+    mix bench/padding.py models for it; and the activation memory of a packed pass at the config's token
+    budget (against the padded micro batch's worst case, micro_batch_size x data.max_length tokens).
+
+    FLOPs per step, gradient checkpointing on (the shipped configs): 6 N per token position for the
+    frozen linear layers (forward, recomputed forward, the input gradient; LoRA's own are under 1%) and
+    4 x the attention's forward (forward, recomputation, backward at twice the forward), whose forward is
+    4 h L^2 per layer for a row attended whole (sdpa under a mask) and 2 h L^2 for a causal block that a
+    kernel skips the upper half of (flash_attention_2's varlen path, which also unpads a padded batch).
+    Logits: only at answer positions in both (raylora.loss), so left out. The vision tower sees the same
+    images either way, so it is left out too.
+    """
+    import numpy as np
+    import padding
+
+    from raylora import config as cfgmod
+
+    cfg = cfgmod.load(common.ROOT / "jobs" / JOBS[name])
+    text = model_config.text_config
+    h, layers, i = text.hidden_size, text.num_hidden_layers, text.intermediate_size
+    kv = text.num_key_value_heads * (h // text.num_attention_heads)
+    n_linear = layers * (2 * h * h + 2 * h * kv + 3 * h * i)
+    rng = np.random.default_rng(padding.SEED)
+    if name == "llava-1.5-7b":
+        lengths, has_image, _ = padding.llava_instruct_lengths(rng, samples)
+        stand_in = 576 + 20
+    else:
+        lengths, has_image, _ = padding.qwen2_vl_lengths(rng, samples, cfg.data.max_pixels)
+        stand_in = 4 + 2 + 25
+    budget = cfg.train.max_tokens_per_micro_batch or cfg.train.micro_batch_size * cfg.data.max_length
+    padded = padding.padding(lengths, cfg, stand_in, False, steps)
+    packed = padding.packed_cut(lengths, has_image, cfg, budget, stand_in, steps)
+
+    def flops(positions: float, squares: float, causal_skip: bool) -> float:
+        return 6 * n_linear * positions + 4 * layers * (2 if causal_skip else 4) * h * squares
+
+    padded_sdpa = flops(padded["positions_per_step"], padded["attention_squares_per_step"], False)
+    # a padded batch under flash_attention_2 is unpadded for the attention: each sample's own causal block
+    padded_flash = flops(padded["positions_per_step"], packed["attention_squares_per_step"]["varlen"], True)
+    packed_sdpa = flops(packed["positions_per_step"], packed["attention_squares_per_step"]["masked"], False)
+    packed_flash = flops(packed["positions_per_step"], packed["attention_squares_per_step"]["varlen"], True)
+    memory = memory_per_gpu(name, model_config, "llava" if name == "llava-1.5-7b" else "qwen2_vl")
+    worst = memory["scenarios"]["shipped"]
+    return {
+        "job": f"jobs/{JOBS[name]}",
+        "max_tokens_per_micro_batch": budget,
+        "padded_micro_batch_tokens": cfg.train.micro_batch_size * cfg.data.max_length,
+        "linear_flops_per_token": 6 * n_linear,
+        "padded": padded,
+        "packed": packed,
+        "tflops_per_step": {
+            "padded_sdpa": padded_sdpa / 1e12,
+            "padded_flash_attention_2": padded_flash / 1e12,
+            "packed_sdpa": packed_sdpa / 1e12,
+            "packed_flash_attention_2": packed_flash / 1e12,
+        },
+        "speedup_on_paper": {
+            "flash_attention_2": padded_flash / packed_flash,
+            "sdpa": padded_sdpa / packed_sdpa,
+            "bound_1_over_1_minus_padding": padded["speedup_bound"],
+        },
+        "passes_per_rank_per_step": {
+            "padded": cfg.grad_accum_steps(cfg.world_size),
+            "packed_median": packed["passes_per_rank_per_step"]["median"],
+            "why_it_matters": "ZeRO-3 gathers the frozen base at least twice per pass "
+            "(base_all_gathers_per_step)",
+        },
+        "memory": {
+            "packed_pass_tokens": budget,
+            "same_as_padded_worst_case": budget == cfg.train.micro_batch_size * cfg.data.max_length,
+            "total_gb_per_gpu": worst["total_gb"],
+            "fits": worst["fits"],
+        },
+    }
+
+
+def padding_steps() -> int:
+    import padding
+
+    return padding.STEPS
+
+
 def main() -> None:
     args = common.parser(__doc__).parse_args()
     start = time.perf_counter()
@@ -407,6 +491,8 @@ def main() -> None:
         for trained in (False, True):
             rows.append({"model": name, **count(build(), arch, trained)})
     memory = [memory_per_gpu(name, build(), arch) for name, (build, arch) in models.items()]
+    steps, samples = (10, 2_000) if args.tiny else (padding_steps(), 20_000)
+    packed = [packing_on_paper(name, build(), steps, samples) for name, (build, _) in models.items()]
     common.write_result(
         args,
         "on_paper",
@@ -419,6 +505,7 @@ def main() -> None:
             },
             "models": rows,
             "memory_per_gpu": memory,
+            "packing": packed,
             "assumptions": [
                 "raylora: 12 bytes per trainable parameter (fp32 master + Adam exp_avg + exp_avg_sq) plus "
                 "the safetensors headers (computed exactly from the names and shapes) and about 8 KB + the "

@@ -14,18 +14,29 @@ Steps are cut as raylora cuts them (`GlobalSampler.micro_batches` over the confi
 once more with each rank's share sorted by length before it is cut (the same samples per step).
 
 The figure is the fraction of positions that are padding, and 1 / (1 - p), the most that removing the
-padding can speed a step up by. Arithmetic only: no model runs here (the useful tokens per second of real
-steps are issue 22's next part).
+padding can speed a step up by; and, packed (train.packing at the config's max_tokens_per_micro_batch,
+cut by `raylora.data.packing.pack`), the passes per step and their padding (the label-less stand-in
+rows of passes without an image, and of ranks with fewer passes than another).
+
+Then real steps (`measure`): the same two kinds of mix at a size this machine trains (tiny models from
+raylora.assets at --width, chat JSONL with images written here, lengths scaled down), padded and packed
+alternately, raylora's own step (`worker.setup`, `worker.train_step`) in 2 gloo processes under ZeRO-3:
+useful (non-padding) tokens per second, as train_step counts them, and each rank's peak resident memory
+over the timed steps (VmHWM, reset after setup).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
+from pathlib import Path
 
 import common
 import numpy as np
 
 from raylora import config
+from raylora.data import packing
 from raylora.data.sampler import GlobalSampler
 
 SAMPLES = 20_000
@@ -33,7 +44,7 @@ STEPS = 100
 SEED = 0
 
 
-def llava_instruct_lengths(rng: np.random.Generator, n: int) -> tuple[np.ndarray, dict]:
+def llava_instruct_lengths(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, dict]:
     """Token lengths of `n` LLaVA-Instruct-like conversations (llava-1.5's template and 576-token image)."""
     model = {
         "turns": "1 + geometric(p=0.45), at most 10 question/answer pairs",
@@ -48,11 +59,14 @@ def llava_instruct_lengths(rng: np.random.Generator, n: int) -> tuple[np.ndarray
         questions = rng.lognormal(np.log(18), 0.8, t)
         answers = np.minimum(rng.lognormal(np.log(55), 1.1, t), 1500)
         lengths[i] += int(questions.sum() + answers.sum()) + 12 * t
-    lengths += np.where(rng.random(n) < 0.93, 576, 0)
-    return lengths, model
+    has_image = rng.random(n) < 0.93
+    lengths += np.where(has_image, 576, 0)
+    return lengths, has_image, model
 
 
-def qwen2_vl_lengths(rng: np.random.Generator, n: int, max_pixels: int) -> tuple[np.ndarray, dict]:
+def qwen2_vl_lengths(
+    rng: np.random.Generator, n: int, max_pixels: int
+) -> tuple[np.ndarray, np.ndarray, dict]:
     """Token lengths of `n` Qwen2-VL-like rows: one image of mixed size under `max_pixels`, a short text."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize  # no torchvision
 
@@ -71,7 +85,7 @@ def qwen2_vl_lengths(rng: np.random.Generator, n: int, max_pixels: int) -> tuple
         h, w = int(np.sqrt(area[i] / aspect[i])), int(np.sqrt(area[i] * aspect[i]))
         rh, rw = smart_resize(h, w, factor=28, max_pixels=max_pixels)
         lengths[i] = (rh // 28) * (rw // 28) + 2 + text[i]
-    return lengths, model
+    return lengths, np.ones(n, dtype=bool), model
 
 
 def padding(lengths: np.ndarray, cfg, stand_in: int, sort: bool, steps: int) -> dict:
@@ -81,9 +95,9 @@ def padding(lengths: np.ndarray, cfg, stand_in: int, sort: bool, steps: int) -> 
     sampler = GlobalSampler(len(lengths), cfg.train.global_batch_size, SEED)
     micro = cfg.train.micro_batch_size
     limit = cfg.data.max_length or np.inf
-    fractions, skipped = [], 0
+    fractions, skipped, computed, squares = [], 0, [], []
     for step in range(steps):
-        useful = positions = 0
+        useful = positions = square = 0
         for rank in range(world):
             batches = sampler.micro_batches(step, rank, world, micro)
             if sort:  # the same samples, ordered by length before they are cut
@@ -98,54 +112,286 @@ def padding(lengths: np.ndarray, cfg, stand_in: int, sort: bool, steps: int) -> 
                     k for k, i in zip(kept, batch, strict=True) if i is not None and lengths[i] <= limit
                 )
                 positions += max(kept) * len(batch)
+                square += max(kept) ** 2 * len(batch)  # attention covers each padded row whole
         fractions.append(1 - useful / positions)
+        computed.append(positions)
+        squares.append(square)
     return {
         "padding_fraction": common.summary(fractions),
         "speedup_bound": 1 / (1 - common.median(fractions)),
         "skipped_too_long": int(skipped),
+        "passes_per_step": world * cfg.grad_accum_steps(world),
+        # over all ranks, per step: token positions computed, and the sum of squared row lengths (the
+        # attention's work, for bench/on_paper.py)
+        "positions_per_step": common.median(computed),
+        "attention_squares_per_step": common.median(squares),
+    }
+
+
+def packed_cut(
+    lengths: np.ndarray, has_image: np.ndarray, cfg, budget: int, stand_in: int, steps: int
+) -> dict:
+    """The same steps packed (train.packing at `budget` tokens per pass): passes per rank per step (every
+    rank runs the most any rank needs, the others a stand-in pass), and the share of the positions that
+    are stand-ins (a pass without an image carries one; a rank short of passes runs them)."""
+    workers = cfg.scaling.num_workers
+    world = workers if isinstance(workers, int) else max(workers)
+    sampler = GlobalSampler(len(lengths), cfg.train.global_batch_size, SEED)
+    limit = min(cfg.data.max_length or budget, budget)
+    fractions, passes, computed, flash, dense = [], [], [], [], []
+    for step in range(steps):
+        useful = positions = flash_sq = dense_sq = 0
+        counts = []
+        for rank in range(world):
+            share = [i for b in sampler.micro_batches(step, rank, world, 1) for i in b if i is not None]
+            share = [i for i in share if lengths[i] <= limit]
+            bins = packing.pack([int(lengths[i]) for i in share], budget)
+            counts.append(len(bins))
+            for b in bins:
+                tokens = sum(int(lengths[share[k]]) for k in b)
+                extra = 0 if any(has_image[share[k]] for k in b) else stand_in
+                useful += tokens
+                positions += tokens + extra
+                flash_sq += sum(int(lengths[share[k]]) ** 2 for k in b) + extra**2
+                dense_sq += (tokens + extra) ** 2
+        most = max(counts)
+        positions += sum(most - c for c in counts) * stand_in
+        passes.append(most)
+        fractions.append(1 - useful / positions)
+        computed.append(positions)
+        flash.append(flash_sq)
+        dense.append(dense_sq)
+    return {
+        "max_tokens_per_micro_batch": budget,
+        "padding_fraction": common.summary(fractions),
+        "passes_per_rank_per_step": common.summary(passes),
+        "positions_per_step": common.median(computed),
+        # the attention's work: flash_attention_2's varlen path covers each sample's own block; sdpa and
+        # eager cover the whole row under the block-diagonal mask
+        "attention_squares_per_step": {"varlen": common.median(flash), "masked": common.median(dense)},
+    }
+
+
+# ------------------------------------------------------------------------------------- real steps
+
+MEASURE_WIDTH, MEASURE_LAYERS = 256, 2
+TEXT_SCALE = 0.25  # the tiny mixes' text lengths: the 7B mixes' times this (the tiny images are smaller too)
+
+
+def write_mix(folder: Path, kind: str, rows: int, rng: np.random.Generator) -> str:
+    """Chat JSONL (`messages`, `images`) of `rows` rows like mix `kind` at the tiny size, images beside it:
+    llava_instruct, multi-turn with one 16x16 image in 93% of rows; qwen2_vl, one image of a log-uniform
+    area between 16x16 and 64x64 pixels at a common aspect ratio (4 to 64 tokens under the tiny
+    processor with data.max_pixels=4096), a single question and answer."""
+    from PIL import Image
+
+    from raylora.tiny_text import DIGIT_NAMES
+
+    folder.mkdir(parents=True, exist_ok=True)
+
+    def words(n: float) -> str:
+        return " ".join(DIGIT_NAMES[k % 10] for k in rng.integers(0, 10, max(1, int(n))))
+
+    lines = []
+    for i in range(rows):
+        images = []
+        if kind == "llava_instruct":
+            turns = 1 + min(int(rng.geometric(0.45)) - 1, 9)
+            pairs = [
+                (words(rng.lognormal(np.log(18 * TEXT_SCALE), 0.8)),
+                 words(min(rng.lognormal(np.log(55 * TEXT_SCALE), 1.1), 1500 * TEXT_SCALE)))
+                for _ in range(turns)
+            ]  # fmt: skip
+            if rng.random() < 0.93:
+                images.append((16, 16))
+        else:
+            pairs = [(words(15), words(min(rng.lognormal(np.log(60 * TEXT_SCALE), 1.0), 2000 * TEXT_SCALE)))]
+            area = np.exp(rng.uniform(np.log(16 * 16), np.log(64 * 64)))
+            aspect = [1, 4 / 3, 3 / 4, 16 / 9, 9 / 16, 2, 1 / 2][int(rng.integers(0, 7))]
+            images.append((max(8, int(np.sqrt(area / aspect))), max(8, int(np.sqrt(area * aspect)))))
+        messages = []
+        for k, (question, answer) in enumerate(pairs):
+            content = [{"type": "image"}] if k == 0 and images else []
+            messages.append({"role": "user", "content": [*content, {"type": "text", "text": question}]})
+            messages.append({"role": "assistant", "content": [{"type": "text", "text": answer}]})
+        names = []
+        for k, (h, w) in enumerate(images):
+            name = f"{i}-{k}.png"
+            Image.new("RGB", (w, h), tuple(int(v) for v in rng.integers(0, 255, 3))).save(folder / name)
+            names.append(name)
+        lines.append(json.dumps({"messages": messages, "images": names}))
+    path = folder / "train.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def _peak_rss_reset() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current resident size
+
+
+def _peak_rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def step_worker(rank: int, world: int, port: int, cfg, steps: int, out: str) -> None:
+    """One rank of raylora's step without Ray (bench/throughput.py's loop): per step its time and the
+    useful tokens train_step counted; the peak resident memory over the steps."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # as a Ray worker holding 1 CPU
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from raylora import worker
+
+    s = worker.setup(cfg, None)
+    _peak_rss_reset()
+    rows = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        metrics = worker.train_step(s)
+        # the step's non-padding positions over all ranks (train_step's tokens_per_s times its time)
+        tokens = metrics["tokens_per_s"] * cfg.train.global_batch_size / metrics["samples_per_s"]
+        rows.append({"seconds": time.perf_counter() - start, "tokens": tokens})
+    peaks = [None] * world
+    dist.all_gather_object(peaks, _peak_rss_bytes())
+    # the positions the steps' passes computed, padding included, and the real ones (after the timing)
+    useful = positions = 0
+    for step in range(steps):
+        for batch in worker.step_batches(s, step).batches:
+            mask = batch.get("attention_mask")
+            positions += batch["input_ids"].numel()
+            useful += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+    counts = [None] * world
+    dist.all_gather_object(counts, (useful, positions))
+    if rank == 0:
+        counts = [sum(c[0] for c in counts), sum(c[1] for c in counts)]
+        Path(out).write_text(json.dumps({"steps": rows, "peak_rss_bytes": peaks, "positions": counts}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(args, kind: str, steps: int, warmup: int, reps: int) -> dict:
+    """Useful tokens per second and peak memory per rank of raylora's steps on mix `kind`, padded and
+    packed (at micro_batch_size x max_length tokens per pass: the padded micro batch's worst case, so the
+    same memory bound), alternating."""
+    import torch.multiprocessing as mp
+
+    from tests.support import tiny_run_config
+
+    work = Path(args.work) / "padding"
+    arch = "llava" if kind == "llava_instruct" else "qwen2_vl"
+    model = common.tiny_model(args.work, MEASURE_WIDTH, MEASURE_LAYERS, arch)
+    data = write_mix(work / kind, kind, 512, np.random.default_rng(SEED))
+    micro, max_length = 4, 384
+    modes = {
+        "padded": [],
+        "packed": ["train.packing=true", f"train.max_tokens_per_micro_batch={micro * max_length}"],
+    }
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    peaks: dict[str, list[int]] = {m: [] for m in modes}
+    shares: dict[str, float] = {}
+    for rep in range(reps):
+        for mode, extra in modes.items():
+            cfg = tiny_run_config(
+                model, data, work / "runs", f"{kind}-{mode}-{rep}", "data.workers=0",
+                f"train.max_steps={steps}", "train.global_batch_size=16", f"train.micro_batch_size={micro}",
+                f"data.max_length={max_length}", "data.max_pixels=4096", *extra,
+            )  # fmt: skip
+            out = work / f"{kind}-{mode}-{rep}.json"
+            mp.spawn(step_worker, args=(2, common.free_port(), cfg, steps, str(out)), nprocs=2)
+            got = json.loads(out.read_text())
+            timed = got["steps"][warmup:]
+            samples[mode].append(sum(r["tokens"] for r in timed) / sum(r["seconds"] for r in timed))
+            peaks[mode].append(max(got["peak_rss_bytes"]))
+            useful, positions = got["positions"]
+            shares[mode] = 1 - useful / positions  # the same every repeat: the steps' samples are fixed
+    med = {m: common.median(v) for m, v in samples.items()}
+    return {
+        "model": f"tiny {arch} width {MEASURE_WIDTH}, {MEASURE_LAYERS}+{MEASURE_LAYERS} layers",
+        "setup": {
+            "micro_batch_size": micro,
+            "max_length": max_length,
+            "global_batch_size": 16,
+            "workers": 2,
+            "steps": steps,
+            "warmup": warmup,
+        },  # fmt: skip
+        "useful_tokens_per_s": {m: common.summary(v) for m, v in samples.items()},
+        "peak_rss_bytes_per_rank": {m: common.summary(v) for m, v in peaks.items()},
+        "padding_share": shares,
+        "padding_bound": 1 / (1 - shares["padded"]),
+        "packed_over_padded": med["packed"] / med["padded"],
+        "packed_over_padded_per_pair": [
+            k / d for k, d in zip(samples["packed"], samples["padded"], strict=True)
+        ],
     }
 
 
 def main() -> None:
-    args = common.parser(__doc__).parse_args()
+    p = common.parser(__doc__)
+    p.add_argument("--steps", type=int, default=None, help="steps per measured run (default 12, --tiny 3)")
+    args = p.parse_args()
     steps, n = (10, 2_000) if args.tiny else (STEPS, SAMPLES)
     rng = np.random.default_rng(SEED)
     llava = config.load("jobs/llava-1.5-7b.yaml", [])
     qwen = config.load("jobs/qwen2-vl-7b.yaml", [])
     mixes = {}
-    for name, cfg, (lengths, model), stand_in in (
+    for name, cfg, (lengths, has_image, model), stand_in in (
         ("llava_instruct", llava, llava_instruct_lengths(rng, n), 576 + 20),
         ("qwen2_vl", qwen, qwen2_vl_lengths(rng, n, qwen.data.max_pixels), 4 + 2 + 25),
     ):
+        budget = cfg.train.max_tokens_per_micro_batch or cfg.train.micro_batch_size * cfg.data.max_length
         mixes[name] = {
             "config": {
                 "global_batch_size": cfg.train.global_batch_size,
                 "micro_batch_size": cfg.train.micro_batch_size,
                 "num_workers": cfg.scaling.num_workers,
                 "max_length": cfg.data.max_length,
+                "packing": cfg.train.packing,
+                "max_tokens_per_micro_batch": cfg.train.max_tokens_per_micro_batch,
             },
             "length_model": model,
             "lengths": {q: int(np.percentile(lengths, q)) for q in (0, 5, 50, 95, 100)},
             "as_cut_today": padding(lengths, cfg, stand_in, False, steps),
             "sorted_within_rank": padding(lengths, cfg, stand_in, True, steps),
+            "packed": packed_cut(lengths, has_image, cfg, budget, stand_in, steps),
         }
+    step_count = args.steps or (3 if args.tiny else 12)
+    warmup = 1 if args.tiny else 2
+    reps = common.repeats(args)
+    measured = {kind: measure(args, kind, step_count, warmup, reps) for kind in mixes}
+    # the goal: packed at least 0.85 of the speed-up that removing the padding share allows, on both mixes
+    # (the share as the measured runs cut their own data, from the same arithmetic as above)
+    bounds = {kind: m["padding_bound"] for kind, m in measured.items()}
+    met = all(m["packed_over_padded"] >= 0.85 * bounds[kind] for kind, m in measured.items())
     common.write_result(
         args,
         "padding",
         {
             "setup": {"samples": n, "steps": steps, "seed": SEED},
             "mixes": mixes,
+            "measured": measured,
             "goal": {
-                "text": "measure the padding share first (issue 22, part 1); packing is to remove it",
-                "met": None,
+                "text": "packed useful tokens per second at least 0.85 of 1 / (1 - padding share) of the "
+                "padded steps, on both mixes (issue 22, part 4)",
+                "met": met,
             },
             "notes": [
                 "Synthetic lengths from the stated models, not a data set: the shares move with them.",
                 "A skipped (too long) sample's slot holds the stand-in, as in training.",
+                "Measured at a tiny size on CPU with sdpa: a packed pass's attention covers its whole row "
+                "(the block-diagonal mask is a mask, not skipped work); flash_attention_2's varlen path on "
+                "a GPU computes only each sample's own block.",
             ],
         },
     )
-    print(json.dumps({k: (v["as_cut_today"], v["sorted_within_rank"]) for k, v in mixes.items()}, indent=1))
+    print(json.dumps({k: (v["as_cut_today"], v["packed"]) for k, v in mixes.items()}, indent=1))
+    print(json.dumps(measured, indent=1))
 
 
 if __name__ == "__main__":

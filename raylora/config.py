@@ -154,6 +154,14 @@ class TrainConfig:
     gradient_checkpointing: bool | None = None
     """Recompute each layer's activations in the backward pass (language model and vision tower) instead
     of keeping them; unset: on with scaling.use_gpu, off without."""
+    packing: bool = False
+    """Padding-free passes (raylora.data.packing): each rank's share of a step's global batch is packed,
+    whole samples back to back, into rows of at most train.max_tokens_per_micro_batch tokens, none
+    attending to another; the same loss and gradients as the padded micro batches, without their padding.
+    train.micro_batch_size then only sets DeepSpeed's accumulation arithmetic."""
+    max_tokens_per_micro_batch: int | None = None
+    """Tokens per packed pass (train.packing), image tokens included; required with packing. A sample
+    longer than it is skipped as too long (data.max_length, when set, must not exceed it)."""
     deterministic: bool = True
     """Repeatable kernels on GPUs (raylora.determinism): torch's deterministic algorithms (an op that has
     none raises), a fixed cuBLAS workspace, deterministic cuDNN convolutions and attention backward, so a
@@ -545,6 +553,18 @@ def _validate_memory(cfg: Config) -> None:
         )
     if cfg.model.attn_implementation == "flash_attention_2" and not (cfg.scaling.use_gpu and cfg.bf16):
         raise ConfigError("model.attn_implementation=flash_attention_2 needs scaling.use_gpu and bf16")
+    t = cfg.train
+    if t.packing and t.max_tokens_per_micro_batch is None:
+        raise ConfigError("train.packing needs train.max_tokens_per_micro_batch (tokens per packed pass)")
+    if t.max_tokens_per_micro_batch is not None and t.max_tokens_per_micro_batch <= 0:
+        raise ConfigError(
+            f"train.max_tokens_per_micro_batch must be positive when set, got {t.max_tokens_per_micro_batch}"
+        )
+    if t.packing and d.max_length is not None and d.max_length > t.max_tokens_per_micro_batch:
+        raise ConfigError(
+            f"data.max_length ({d.max_length}) exceeds train.max_tokens_per_micro_batch "
+            f"({t.max_tokens_per_micro_batch}): a sample that long would not fit in a packed pass"
+        )
     for key, value in {"data.max_length": d.max_length, "data.max_pixels": d.max_pixels}.items():
         if value is not None and value <= 0:
             raise ConfigError(f"{key} must be positive when set, got {value}")

@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raylora import hub, storage
 from raylora.arch import Architecture, for_model
 from raylora.config import Config, ConfigError
+from raylora.data import packing
 from raylora.data.batches import check_max_length
 from raylora.data.formats import check_source, open_rows
 from raylora.data.preflight import check_sample, check_unread_fields, checked_processor
@@ -42,6 +43,9 @@ def preflight(cfg: Config) -> Architecture:
             f"model.path: {cfg.model.path} has no config.json (not a Hugging Face model folder)"
         )
     arch = for_model(model_dir, cfg.model)
+    why = packing.refusal(arch.model_type) if cfg.train.packing else None
+    if why:
+        raise ConfigError(f"train.packing is not available for {arch.model_type}: {why}; train it padded")
     check_image_caps(model_dir, cfg.data.max_pixels, cfg.data.min_pixels)
     _, num_rows = check_source(cfg.data.train, "data.train", cfg.data.format, cfg.data.image_root)
     if num_rows < cfg.train.global_batch_size:
@@ -64,6 +68,8 @@ def preflight(cfg: Config) -> Architecture:
     processor = checked_processor(cfg, model_dir)
     if cfg.data.max_length is not None:
         check_max_length(processor, cfg.data.max_length)
+    if cfg.train.packing:
+        check_max_length(processor, cfg.train.max_tokens_per_micro_batch, "train.max_tokens_per_micro_batch")
     rows = open_rows(cfg.data.train, cfg.data.format, cfg.data.image_root)
     check_unread_fields(rows)
     check_sample(cfg, rows, processor)

@@ -25,7 +25,8 @@ from transformers import get_cosine_schedule_with_warmup
 from raylora import checkpoint, console, determinism, failures, hub, resume, zero
 from raylora.arch import Architecture, for_model
 from raylora.config import Config
-from raylora.data.batches import check_max_length, limit_length, read
+from raylora.data import packing
+from raylora.data.batches import check_max_length, limit_length, packed_passes, read, stand_in_pass
 from raylora.data.formats import BadRow, Rows, open_rows
 from raylora.data.labels import Decoded, check_chat_template
 from raylora.data.pipeline import step_inputs
@@ -68,6 +69,12 @@ class Setup:
     step: int = 0
     restarts: int = 0
     resumed: bool = False
+    # train.packing: the model's multimodal position function (None: one position per token), the
+    # process group the ranks agree on their pass counts in (CPU tensors: no wait on the GPU), and the
+    # pass a rank with fewer passes runs to stay in step
+    rope_index: object = None
+    cpu_group: object = None
+    stand_in: tuple[dict, dict] | None = None
 
 
 def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | None) -> Setup:
@@ -128,6 +135,11 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | Non
         restarts=started[0] - 1,
         eval_data=open_rows(cfg.data.eval, d.format, d.image_root) if cfg.train.eval_every else None,
     )
+    if cfg.train.packing:
+        s.rope_index = packing.rope_index_of(engine.module)
+        # every rank creates the group (a collective); on CPUs the default group is gloo already
+        s.cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+        s.stand_in = _with_positions(stand_in_pass(processor, s.rope_index))
     if restore_from is not None:
         st = restore_from.state
         zero.set_trainable_state(engine, params, restore_from, st.step)
@@ -166,8 +178,15 @@ def train_step(s: Setup) -> dict[str, float]:
     scale = torch.where(counts[0] > 0, s.world_size * cfg.grad_accum_steps(s.world_size) / counts[0], 0.0)
     scale = scale.float()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for batch, positions in zip(built.batches, built.positions_of, strict=True):
-        batch, positions = to_device(batch, device), to_device(positions, device)
+    passes = list(zip(built.batches, built.positions_of, strict=True))
+    if cfg.train.packing:  # every rank runs as many passes as the rank with the most
+        most = torch.tensor([len(passes)])
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=s.cpu_group)
+        passes += [s.stand_in] * (int(most) - len(passes))
+    for k, (batch, positions) in enumerate(passes):
+        if cfg.train.packing:  # the optimizer steps after the last pass, however many there are
+            engine.set_gradient_accumulation_boundary(k == len(passes) - 1)
+        batch, positions = to_device(batch, device), to_device(dict(positions), device)
         token_loss = answer_token_losses(engine, batch, positions.pop("labels"), positions)[0].sum()
         engine.backward(token_loss * scale)
         engine.step()
@@ -258,23 +277,42 @@ def step_batches(s: Setup, step: int) -> StepBatches:
     the same; an empty slot of the global sampler (`None`) becomes the stand-in as well.
     """
     built = StepBatches([], [], 0, 0, 0, 0, [])
-    for micro in s.sampler.micro_batches(step, s.rank, s.world_size, s.cfg.train.micro_batch_size):
+    t = s.cfg.train
+    micro_batches = s.sampler.micro_batches(step, s.rank, s.world_size, t.micro_batch_size)
+    if t.packing:  # the whole share at once, in passes of at most max_tokens_per_micro_batch tokens
+        micro_batches = [[i for micro in micro_batches for i in micro]]
+    for micro in micro_batches:
         samples = [None if i is None else _read(s, i, built.reasons) for i in micro]
         rejected: dict[int, str] = {}  # positions whose sample the processor rejects: bad rows as well
-        batch, too_long = limit_length(s.processor, samples, s.cfg.data.max_length, rejected=rejected)
+        if t.packing:
+            batches, too_long = packed_passes(
+                s.processor, samples, t.max_tokens_per_micro_batch, s.cfg.data.max_length, s.rope_index,
+                rejected=rejected,
+            )  # fmt: skip
+        else:
+            batch, too_long = limit_length(s.processor, samples, s.cfg.data.max_length, rejected=rejected)
+            batches = [batch]
         for pos, reason in rejected.items():
             _bad_row(s, micro[pos], reason, built.reasons)
-        # counted here, on the CPU (in the input pipeline's process when there is one), so that the
-        # training step does not wait on the device to count them
-        labels = batch.pop("labels")
-        positions = {**answer_positions(labels), "labels": labels}
-        built.batches.append(batch)
-        built.positions_of.append(positions)
-        built.tokens += len(positions["targets"])
-        built.positions += int(batch["attention_mask"].sum())
+        for batch in batches:
+            batch, positions = _with_positions(batch)
+            built.batches.append(batch)
+            built.positions_of.append(positions)
+            built.tokens += len(positions["targets"])
+            # a packed pass has no attention mask: every position is a token
+            mask = batch.get("attention_mask")
+            built.positions += int(mask.sum()) if mask is not None else batch["input_ids"].numel()
         built.too_long += len(too_long)
     built.bad_rows = len(built.reasons)
     return built
+
+
+def _with_positions(batch: dict) -> tuple[dict, dict]:
+    """(the model's inputs, the answer positions and labels), counted here, on the CPU (in the input
+    pipeline's process when there is one), so that the training step does not wait on the device."""
+    batch = dict(batch)
+    labels = batch.pop("labels")
+    return batch, {**answer_positions(labels), "labels": labels}
 
 
 def _read(s: Setup, i: int, bad: list[tuple[int, str]] | None = None) -> Decoded | None:

@@ -194,3 +194,45 @@ def test_gpu_kill_and_resume_equals_uninterrupted(
         assert torch.equal(value, other.weights[name]), f"{name} differs after resume"
     for name, value in one.moments.items():
         assert torch.equal(value, other.moments[name]), f"{name} differs after resume"
+
+
+def _flash_attn_imports() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_gpu_packed_row_gives_the_padded_loss_and_gradients(arch, attn):
+    """train.packing on CUDA: sdpa under the packed mask in fp32 (1e-5, as on the CPU), and
+    flash_attention_2's varlen path, which transformers takes from the restarting position ids, in bf16
+    (the padded batch's own bf16 rounding apart: 2e-2)."""
+    from raylora.assets import build_tiny_model
+    from raylora.data import packing
+    from raylora.data.batches import _collate
+    from raylora.data.labels import encode
+    from tests.test_batches import SAMPLES
+    from tests.test_packing import _loss_and_grads, _relative
+
+    if attn == "flash_attention_2" and not _flash_attn_imports():
+        pytest.skip("flash_attn is not installed here")
+    dtype, tolerance = (torch.float32, 1e-5) if attn == "sdpa" else (torch.bfloat16, 2e-2)
+    model, processor = build_tiny_model(arch, width=64, layers=2, seed=0)
+    model.config.use_cache = model.config.get_text_config().use_cache = False
+    model.set_attn_implementation(attn)
+    model = model.to("cuda", dtype).eval()
+    padded = _collate(processor, [encode(processor, s) for s in SAMPLES], with_answers=True)
+    row = packing.packed(padded, packing.rope_index_of(model))
+
+    def on_gpu(batch: dict) -> dict:
+        return {k: v.to("cuda", dtype) if v.is_floating_point() else v.to("cuda") for k, v in batch.items()}
+
+    loss, grads = _loss_and_grads(model, on_gpu(padded))
+    packed_loss, packed_grads = _loss_and_grads(model, on_gpu(row))
+    gap = _relative(grads.float(), packed_grads.float())
+    print(f"{arch} {attn}: loss {_relative(loss, packed_loss):.1e}, gradients {gap:.1e}")
+    assert _relative(loss, packed_loss) <= tolerance
+    assert gap <= tolerance

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from raylora.config import ConfigError
+from raylora.data import packing
 from raylora.data.formats import BadRow, Rows, load_image
 from raylora.data.labels import IGNORE_INDEX, Decoded, Row, encode
 
@@ -97,18 +98,42 @@ def _stand_in_row(processor) -> Row:
     return row
 
 
-def check_max_length(processor, max_length: int) -> None:
-    """`ConfigError` when even the stand-in sample is longer than `max_length` (data.max_length)."""
+def check_max_length(processor, max_length: int, key: str = "data.max_length") -> None:
+    """`ConfigError` when even the stand-in sample is longer than `max_length` (the setting `key`)."""
     batch = make_batch(processor, [stand_in()])
     length = int(batch["attention_mask"].sum())
     if length > max_length:
         image_id = getattr(processor, "image_token_id", None)
         images = f", {int((batch['input_ids'] == image_id).sum())} of them image tokens" if image_id else ""
         raise ConfigError(
-            f"data.max_length ({max_length}) is shorter than the shortest possible sample: a blank "
+            f"{key} ({max_length}) is shorter than the shortest possible sample: a blank "
             f"{STAND_IN_EDGE}x{STAND_IN_EDGE} image with an empty prompt and answer takes {length} tokens"
             f"{images}"
         )
+
+
+def _encode_slots(
+    processor, samples: list[Decoded | None], max_length: int | None, rejected: dict[int, str] | None
+) -> tuple[list[Row | None], list[int]]:
+    """Each sample encoded, None where there is no sample or it is rejected (into `rejected`) or longer
+    than `max_length`; and the positions of the too-long ones (`limit_length`)."""
+    from jinja2 import TemplateError  # what a chat template's raise_exception raises
+
+    rows: list[Row | None] = []
+    for i, sample in enumerate(samples):
+        try:
+            rows.append(None if sample is None else encode(processor, sample))
+        except (ValueError, TemplateError) as err:
+            if rejected is None:
+                raise
+            rejected[i] = (
+                f"the processor rejects it ({type(err).__name__}: {' '.join(str(err).split())[:300]})"
+            )
+            rows.append(None)
+    too_long = [i for i, r in enumerate(rows) if r and max_length is not None and len(r.labels) > max_length]
+    for i in too_long:
+        rows[i] = None
+    return rows, too_long
 
 
 def limit_length(
@@ -137,22 +162,42 @@ def limit_length(
     (and adding 0 times its output to the loss) would need each architecture's vision call; its labels are
     all IGNORE_INDEX, so it changes neither the loss nor the gradient.
     """
-    from jinja2 import TemplateError  # what a chat template's raise_exception raises
-
-    rows = []
-    for i, sample in enumerate(samples):
-        try:
-            rows.append(_stand_in_row(processor) if sample is None else encode(processor, sample))
-        except (ValueError, TemplateError) as err:
-            if rejected is None or sample is None:
-                raise
-            rejected[i] = (
-                f"the processor rejects it ({type(err).__name__}: {' '.join(str(err).split())[:300]})"
-            )
-            rows.append(_stand_in_row(processor))
-    too_long = [i for i, r in enumerate(rows) if max_length is not None and len(r.labels) > max_length]
-    for i in too_long:
-        rows[i] = _stand_in_row(processor)
+    encoded, too_long = _encode_slots(processor, samples, max_length, rejected)
+    rows = [_stand_in_row(processor) if r is None else r for r in encoded]
     if not any(r.vision for r in rows):
         rows.append(_stand_in_row(processor))
     return _collate(processor, rows, with_answers=True), too_long
+
+
+def packed_passes(
+    processor,
+    samples: list[Decoded | None],
+    budget: int,
+    max_length: int | None,
+    rope_index=None,
+    *,
+    rejected: dict[int, str] | None = None,
+) -> tuple[list[dict], list[int]]:
+    """A rank's share of a step as packed passes (train.packing, `raylora.data.packing`): the usable samples
+    in rows of at most `budget` tokens; a sample longer than `budget` or `max_length` is skipped as too
+    long, and a bad one (with `rejected`) as `limit_length` skips it. Unlike a padded micro batch, a
+    skipped sample takes no stand-in's place: a packed pass has no fixed number of slots. A pass without an
+    image gets the stand-in row (its labels cleared), for the vision tower's collectives under ZeRO-3,
+    which may take it past `budget` by the stand-in's tokens. Returns the passes (with labels) and the
+    positions of the too-long samples."""
+    limit = budget if max_length is None else min(max_length, budget)
+    encoded, too_long = _encode_slots(processor, samples, limit, rejected)
+    rows = [r for r in encoded if r is not None]
+    passes = []
+    for group in packing.pack([packing.length(r) for r in rows], budget):
+        members = [rows[i] for i in group]
+        if not any(r.vision for r in members):
+            members.append(_stand_in_row(processor))
+        passes.append(packing.packed(_collate(processor, members, with_answers=True), rope_index))
+    return passes, too_long
+
+
+def stand_in_pass(processor, rope_index=None) -> dict:
+    """The packed pass a rank with fewer passes than another runs to stay in step with it: the stand-in
+    row alone, with labels that train on nothing."""
+    return packing.packed(_collate(processor, [_stand_in_row(processor)], with_answers=True), rope_index)

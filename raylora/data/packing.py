@@ -1,0 +1,110 @@
+"""Padding-free passes (train.packing): several samples concatenated in one row, none attending to another.
+
+A padded micro batch computes every row at the length of its longest sample; on real multimodal length
+mixes a quarter of the positions are padding (bench/padding.py). A packed pass is one row holding whole
+samples back to back, at most `train.max_tokens_per_micro_batch` tokens, with position ids that restart at
+each sample. transformers builds the block-diagonal causal mask from such position ids when the attention
+mask is left out (`masking_utils.find_packed_sequence_indices`, for `sdpa` and `eager`), and
+`flash_attention_2` takes its varlen path from them, so each sample sees exactly what it sees alone.
+
+The packed row is cut from the padded batch of the same samples (`_collate`, as a padded step builds it):
+every token-aligned tensor keeps the padded batch's values at the real tokens, and the vision tensors stay
+as they are (one entry per image, in the order of the image tokens). Where a model's positions are not one
+per token (Qwen2-VL's 3-D rotary ids: an image's tokens share a temporal id and count rows and columns)
+they are computed by the model's own `get_rope_index` on the padded batch, sample by sample, and cut the same
+way. Which samples a step trains on, and the loss normalisation over the global batch's answer tokens, do
+not change: a sample's answer tokens are predicted from the same logits as in its padded row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from raylora.data.labels import IGNORE_INDEX, Row
+
+# Architectures whose packed pass equals their padded micro batch (loss and gradients within 1e-5 relative,
+# tests/test_packing.py); the driver refuses packing for any other before Ray starts, with `refusal`.
+VERIFIED = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "internvl", "mistral3")
+# Gemma 3 lets an image's tokens attend to each other both ways: transformers (5.23) ORs those image blocks
+# into the mask after the packed-sequence boundaries, so in a packed row an image sample's tokens and the
+# samples after it see other samples (the tiny model's logits move by 0.3-0.5).
+REFUSED = {
+    "gemma3": (
+        "transformers ORs Gemma 3's bidirectional image-token blocks into the attention mask outside the "
+        "packed samples' boundaries, so a packed sample would see the samples before it"
+    ),
+}
+
+
+def refusal(model_type: str) -> str | None:
+    """Why packing is refused for `model_type`, or None where it is exact."""
+    if model_type in VERIFIED:
+        return None
+    return REFUSED.get(
+        model_type,
+        "no test has shown its packed pass equal to its padded one (verified: " + ", ".join(VERIFIED) + ")",
+    )
+
+
+def pack(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into bins of at most `budget` tokens each: first-fit decreasing, the
+    longest first (ties by index, so that every rank and a resumed run pack alike). A length over the
+    budget gets a bin of its own (the caller has already skipped what is over data.max_length)."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(budget - lengths[i])
+    return bins
+
+
+def rope_index_of(model) -> object | None:
+    """The model's multimodal position function (Qwen2-VL's and Qwen2.5-VL's `get_rope_index`), or None
+    for models whose positions are one per token. `model` may be wrapped (DeepSpeed, PEFT)."""
+    for module in model.modules():
+        if callable(getattr(module, "get_rope_index", None)):
+            return module.get_rope_index
+    return None
+
+
+def packed(padded: dict, rope_index=None) -> dict:
+    """One packed row (batch size 1) from a right-padded batch (`batches._collate` with labels): the real
+    tokens of each row in turn, position ids restarting at each row, no attention mask.
+
+    With `rope_index` (`rope_index_of`), position_ids is (4, 1, tokens): the text positions, from which
+    transformers finds the samples' boundaries, then the model's three rotary rows, computed per sample
+    exactly as the padded batch's forward computes them.
+    """
+    mask = padded["attention_mask"].bool()
+    if (padded["labels"][:, 0] != IGNORE_INDEX).any():
+        # the last token of one sample must not be trained to predict the first of the next
+        raise ValueError("a packed sample starts with an answer token")
+    out = {}
+    for key, value in padded.items():
+        if key == "attention_mask":
+            continue
+        token_aligned = value.dim() == 2 and value.shape == mask.shape
+        out[key] = value[mask][None] if token_aligned else value
+    text = (mask.cumsum(-1) - 1)[mask][None]  # 0, 1, ... within each sample
+    if rope_index is None:
+        out["position_ids"] = text
+        return out
+    rope, _ = rope_index(
+        padded["input_ids"],
+        mm_token_type_ids=padded.get("mm_token_type_ids"),
+        image_grid_thw=padded.get("image_grid_thw"),
+        attention_mask=padded["attention_mask"],
+    )
+    out["position_ids"] = torch.cat([text[None], rope[:, mask][:, None]], dim=0)
+    return out
+
+
+def length(row: Row) -> int:
+    """Tokens `row` takes in a packed pass."""
+    return len(row.labels)

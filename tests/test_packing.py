@@ -1,0 +1,224 @@
+"""train.packing: a packed pass computes what the padded micro batch of the same samples computes.
+
+In one process (each tiny architecture, no DeepSpeed): the answer-token loss and every gradient of one
+packed row equal the padded batch's within 1e-5 relative, on multi-turn, two-image and text-only samples;
+Qwen2-VL's 3-D rotary positions are the per-sample ones (1-D positions give other numbers), and Gemma 3,
+whose packed row is not its padded batch, is refused before Ray starts. On 2 ZeRO-3 workers: one step
+packed against one step padded on every verified architecture (loss and Adam moments), and a packed run
+killed and resumed bitwise equal to an uninterrupted packed run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raylora.assets import TINY_ARCHS, build_tiny_model
+from raylora.config import ConfigError
+from raylora.data import packing
+from raylora.data.batches import _collate, packed_passes, stand_in
+from raylora.data.labels import IGNORE_INDEX, encode
+from raylora.loss import answer_token_losses
+from tests.support import straight_and_killed, tiny_run_config
+from tests.test_batches import MULTI_TURN, SAMPLES, TEXT_ONLY, TWO_IMAGES, _write_chat_jsonl
+
+TOLERANCE = 1e-5  # relative: the packed and padded passes sum the same products in another order
+
+
+def test_pack_fills_each_pass_up_to_the_budget_longest_first():
+    lengths = [30, 70, 20, 50, 90, 10, 40]
+    bins = packing.pack(lengths, budget=100)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 100 for b in bins)
+    assert bins == [[4, 5], [1, 0], [3, 6], [2]]  # first fit, longest first: 90+10, 70+30, 50+40, 20
+    assert packing.pack(lengths, budget=100) == bins  # the same on every rank and after a resume
+    assert packing.pack([120, 5], budget=100) == [[0], [1]]
+
+
+def _model(arch: str):
+    model, processor = build_tiny_model(arch, width=64, layers=2, seed=0)
+    model.eval()  # no dropout: its noise depends on the tensors' shapes
+    # as raylora.model builds it: a cache in the forward would hide the packed samples' boundaries
+    model.config.use_cache = model.config.get_text_config().use_cache = False
+    return model, processor
+
+
+def _loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = dict(batch)
+    labels = batch.pop("labels")
+    model.zero_grad()
+    loss = answer_token_losses(model, batch, labels)[0].sum()
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return loss.detach(), grads
+
+
+def _relative(reference: torch.Tensor, got: torch.Tensor) -> float:
+    return float((reference - got).abs().max() / reference.abs().max())
+
+
+def _padded_and_packed(arch: str, samples, rope: bool = True):
+    model, processor = _model(arch)
+    padded = _collate(processor, [encode(processor, s) for s in samples], with_answers=True)
+    row = packing.packed(padded, packing.rope_index_of(model) if rope else None)
+    return model, padded, row
+
+
+@pytest.mark.parametrize("arch", packing.VERIFIED)
+def test_packed_row_gives_the_padded_loss_and_gradients(arch):
+    model, padded, row = _padded_and_packed(arch, SAMPLES)
+    mask = padded["attention_mask"].bool()
+    assert row["input_ids"].shape == (1, int(mask.sum())) and "attention_mask" not in row
+    assert torch.equal(row["labels"][0], padded["labels"][mask])
+    loss, grads = _loss_and_grads(model, padded)
+    packed_loss, packed_grads = _loss_and_grads(model, row)
+    assert float(loss) > 0 and float(grads.abs().max()) > 0
+    assert _relative(loss, packed_loss) <= TOLERANCE
+    assert _relative(grads, packed_grads) <= TOLERANCE
+
+
+def test_qwen2_vl_packed_positions_are_each_samples_3d_rotary_ids():
+    """Counting positions 0, 1, ... per sample, as a text model's packing does, is not Qwen2-VL's forward:
+    an image's tokens share a temporal id and count its rows and columns."""
+    model, padded, row = _padded_and_packed("qwen2_vl", [TWO_IMAGES, MULTI_TURN])
+    assert row["position_ids"].shape == (4, 1, row["input_ids"].shape[1])
+    assert not torch.equal(row["position_ids"][1], row["position_ids"][0])  # not one per token
+    _, _, flat = _padded_and_packed("qwen2_vl", [TWO_IMAGES, MULTI_TURN], rope=False)
+    loss, _ = _loss_and_grads(model, padded)
+    assert _relative(loss, _loss_and_grads(model, row)[0]) <= TOLERANCE
+    assert _relative(loss, _loss_and_grads(model, flat)[0]) > 1e-3
+
+
+def test_gemma3_packed_row_is_not_its_padded_batch_so_packing_is_refused():
+    """What packing.REFUSED says of Gemma 3, measured: with an image sample in the row, the packed loss is
+    not the padded one."""
+    model, padded, row = _padded_and_packed("gemma3", [TEXT_ONLY, MULTI_TURN])
+    loss, _ = _loss_and_grads(model, padded)
+    assert _relative(loss, _loss_and_grads(model, row)[0]) > 1e-4
+    assert packing.refusal("gemma3") == packing.REFUSED["gemma3"]
+    assert "verified: llava" in packing.refusal("phi3_v")
+    assert set(packing.VERIFIED) | {"gemma3"} == set(TINY_ARCHS)
+
+
+def test_driver_refuses_packing_for_gemma3_before_ray(tiny_models, digits):
+    from raylora.driver import preflight
+
+    cfg = tiny_run_config(
+        tiny_models("gemma3"), digits[0], "/tmp/unused", "packed", "train.packing=true",
+        "train.max_tokens_per_micro_batch=512",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="train.packing is not available for gemma3: transformers ORs"):
+        preflight(cfg)
+
+
+def test_packing_settings_are_checked_when_loaded(tmp_path):
+    with pytest.raises(ConfigError, match="train.packing needs train.max_tokens_per_micro_batch"):
+        tiny_run_config("m", "d", tmp_path, "n", "train.packing=true")
+    with pytest.raises(ConfigError, match=r"data.max_length \(300\) exceeds train.max_tokens_per_micro"):
+        tiny_run_config(
+            "m", "d", tmp_path, "n", "train.packing=true", "train.max_tokens_per_micro_batch=200",
+            "data.max_length=300",
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match="must be positive"):
+        tiny_run_config("m", "d", tmp_path, "n", "train.max_tokens_per_micro_batch=0")
+
+
+def test_packed_passes_keep_the_budget_skip_what_cannot_fit_and_give_each_pass_an_image():
+    model, processor = _model("qwen2_vl")
+    lengths = [len(encode(processor, s).labels) for s in SAMPLES]
+    standin = len(encode(processor, stand_in()).labels)
+    budget = max(lengths) + min(lengths)
+    samples = [TEXT_ONLY, None, MULTI_TURN, TWO_IMAGES, TEXT_ONLY]
+    passes, too_long = packed_passes(processor, samples, budget, None, packing.rope_index_of(model))
+    assert too_long == []
+    tokens = sorted(p["input_ids"].shape[1] for p in passes)
+    # every sample once (the empty slot takes no place), each pass within the budget, and a pass of
+    # text-only samples carries the label-less stand-in image row beside them
+    answers = sum(int((p["labels"] != IGNORE_INDEX).sum()) for p in passes)
+    labelled = [sum(t != IGNORE_INDEX for t in encode(processor, s).labels) for s in samples if s]
+    assert answers == sum(labelled) > 0
+    assert all(t <= budget + standin for t in tokens)
+    assert all("image_grid_thw" in p for p in passes)
+    # shorter than every sample: each is skipped as too long, and nothing is left to pack
+    assert packed_passes(processor, samples, budget, max_length=min(lengths) - 1) == ([], [0, 2, 3, 4])
+
+
+# ------------------------------------------------------------------------------------------ distributed
+
+ROWS = 16
+
+
+def _one_step_each(configs: dict) -> dict:
+    """On each worker: per (arch, mode), one train_step from the same start; rank 0 returns the step's loss,
+    its Adam first moments (the step's gradient times 1 - beta1) and every rank's pass count."""
+    import torch.distributed as dist
+
+    from raylora import worker, zero
+
+    out = {}
+    for key, cfg in configs.items():
+        s = worker.setup(cfg, None)
+        passes = [None] * s.world_size
+        dist.all_gather_object(passes, len(worker.step_batches(s, 0).batches))
+        metrics = worker.train_step(s)
+        _, moments = zero.gather_trainable_state(s.engine, s.params)
+        out[key] = {
+            "loss": metrics["loss"],
+            "passes": passes,
+            "moments": {n: m.numpy() for n, m in moments.items()} if s.rank == 0 else None,
+        }
+        del s
+    return out
+
+
+@pytest.fixture(scope="module")
+def mixed_data(tmp_path_factory):
+    """Chat JSONL with multi-turn one-image, two-image and text-only rows (tests.test_batches)."""
+    folder = tmp_path_factory.mktemp("packing-data")
+    return folder, _write_chat_jsonl(folder, {1: "text", 5: "text", 6: "text", 10: "text", 13: "text"}, ROWS)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_packed_step_equals_padded_step_on_zero3_workers(ray_cluster, tiny_models, mixed_data):
+    from tests.support import on_workers
+
+    folder, data = mixed_data
+    configs = {}
+    for arch in packing.VERIFIED:
+        for mode, extra in {
+            "padded": (),
+            "packed": ("train.packing=true", "train.max_tokens_per_micro_batch=160"),
+        }.items():
+            configs[arch, mode] = tiny_run_config(
+                tiny_models(arch), data, folder, f"{arch}-{mode}", "lora.dropout=0", *extra
+            )
+    got = on_workers(lambda: _one_step_each(configs), folder, "packed-vs-padded")
+    uneven = 0
+    for arch in packing.VERIFIED:
+        padded, packed = got[arch, "padded"], got[arch, "packed"]
+        assert padded["passes"] == [2, 2] and min(packed["passes"]) >= 1, arch
+        uneven += len(set(packed["passes"])) > 1
+        assert abs(packed["loss"] - padded["loss"]) <= TOLERANCE * abs(padded["loss"]), arch
+        for name, value in padded["moments"].items():
+            reference = torch.from_numpy(value)
+            assert _relative(reference, torch.from_numpy(packed["moments"][name])) <= TOLERANCE, (arch, name)
+    assert uneven, "no architecture had ranks with different pass counts (the stand-in passes untested)"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_killed_packed_run_resumes_bitwise_equal(ray_cluster, tiny_models, mixed_data):
+    from raylora import checkpoint
+
+    folder, data = mixed_data
+    straight, killed = straight_and_killed(
+        tiny_models("qwen2_vl"), data, folder, 3, "train.packing=true", "train.max_tokens_per_micro_batch=160"
+    )
+    with straight.checkpoint.as_directory() as a, killed.checkpoint.as_directory() as b:
+        one, two = checkpoint.load(a), checkpoint.load(b)
+    assert one.state.step == two.state.step == 6 and two.state.restarts == 1
+    for key, value in one.weights.items():
+        assert torch.equal(two.weights[key], value), key
+    for key, value in one.moments.items():
+        assert torch.equal(two.moments[key], value), key

@@ -41,7 +41,8 @@ import common
 WORLD, MICRO, ACCUM, MAX_LENGTH = 2, 4, 2, 384
 ZERO3 = {
     "train_micro_batch_size_per_gpu": "auto",
-    "train_batch_size": "auto",
+    # no "train_batch_size": "auto": transformers 5.23 fills it in at TrainingArguments time, when its
+    # world size is still 1 (the distributed state is set up lazily), and zero.Init then asserts 8 != 4*2*2
     "gradient_accumulation_steps": "auto",
     "gradient_clipping": "auto",
     "zero_optimization": {

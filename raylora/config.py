@@ -159,6 +159,10 @@ class TrainConfig:
     whole samples back to back, into rows of at most train.max_tokens_per_micro_batch tokens, none
     attending to another; the same loss and gradients as the padded micro batches, without their padding.
     train.micro_batch_size then only sets DeepSpeed's accumulation arithmetic."""
+    sort_by_length: bool = False
+    """Without packing: order each rank's share of a step by sample length before cutting it into micro
+    batches, so each pads to near its own samples' length (the same samples and loss; their grouping into
+    micro batches, and so the summation order and dropout noise, change)."""
     max_tokens_per_micro_batch: int | None = None
     """Tokens per packed pass (train.packing), image tokens included; required with packing. A sample
     longer than it is skipped as too long (data.max_length, when set, must not exceed it)."""
@@ -560,6 +564,8 @@ def _validate_memory(cfg: Config) -> None:
         raise ConfigError(
             f"train.max_tokens_per_micro_batch must be positive when set, got {t.max_tokens_per_micro_batch}"
         )
+    if t.packing and t.sort_by_length:
+        raise ConfigError("train.sort_by_length is for padded micro batches; train.packing has no padding")
     if t.packing and d.max_length is not None and d.max_length > t.max_tokens_per_micro_batch:
         raise ConfigError(
             f"data.max_length ({d.max_length}) exceeds train.max_tokens_per_micro_batch "

@@ -26,7 +26,14 @@ from raylora import checkpoint, console, determinism, failures, hub, resume, zer
 from raylora.arch import Architecture, for_model
 from raylora.config import Config
 from raylora.data import packing
-from raylora.data.batches import check_max_length, limit_length, packed_passes, read, stand_in_pass
+from raylora.data.batches import (
+    check_max_length,
+    limit_length,
+    packed_passes,
+    read,
+    sorted_micro_batches,
+    stand_in_pass,
+)
 from raylora.data.formats import BadRow, Rows, open_rows
 from raylora.data.labels import Decoded, check_chat_template
 from raylora.data.pipeline import step_inputs
@@ -279,7 +286,8 @@ def step_batches(s: Setup, step: int) -> StepBatches:
     built = StepBatches([], [], 0, 0, 0, 0, [])
     t = s.cfg.train
     micro_batches = s.sampler.micro_batches(step, s.rank, s.world_size, t.micro_batch_size)
-    if t.packing:  # the whole share at once, in passes of at most max_tokens_per_micro_batch tokens
+    count = len(micro_batches)
+    if t.packing or t.sort_by_length:  # the whole share at once: packed, or sorted by length and cut
         micro_batches = [[i for micro in micro_batches for i in micro]]
     for micro in micro_batches:
         samples = [None if i is None else _read(s, i, built.reasons) for i in micro]
@@ -289,6 +297,10 @@ def step_batches(s: Setup, step: int) -> StepBatches:
                 s.processor, samples, t.max_tokens_per_micro_batch, s.cfg.data.max_length, s.rope_index,
                 rejected=rejected,
             )  # fmt: skip
+        elif t.sort_by_length:
+            batches, too_long = sorted_micro_batches(
+                s.processor, samples, t.micro_batch_size, count, s.cfg.data.max_length, rejected=rejected
+            )
         else:
             batch, too_long = limit_length(s.processor, samples, s.cfg.data.max_length, rejected=rejected)
             batches = [batch]

@@ -16,7 +16,7 @@ import torch
 from raylora.assets import TINY_ARCHS, build_tiny_model
 from raylora.config import ConfigError
 from raylora.data import packing
-from raylora.data.batches import _collate, packed_passes, stand_in
+from raylora.data.batches import _collate, packed_passes, sorted_micro_batches, stand_in
 from raylora.data.labels import IGNORE_INDEX, encode
 from raylora.loss import answer_token_losses
 from tests.support import straight_and_killed, tiny_run_config
@@ -119,6 +119,11 @@ def test_packing_settings_are_checked_when_loaded(tmp_path):
             "m", "d", tmp_path, "n", "train.packing=true", "train.max_tokens_per_micro_batch=200",
             "data.max_length=300",
         )  # fmt: skip
+    with pytest.raises(ConfigError, match="train.sort_by_length is for padded micro batches"):
+        tiny_run_config(
+            "m", "d", tmp_path, "n", "train.packing=true", "train.max_tokens_per_micro_batch=200",
+            "train.sort_by_length=true",
+        )  # fmt: skip
     with pytest.raises(ConfigError, match="must be positive"):
         tiny_run_config("m", "d", tmp_path, "n", "train.max_tokens_per_micro_batch=0")
 
@@ -141,6 +146,28 @@ def test_packed_passes_keep_the_budget_skip_what_cannot_fit_and_give_each_pass_a
     assert all("image_grid_thw" in p for p in passes)
     # shorter than every sample: each is skipped as too long, and nothing is left to pack
     assert packed_passes(processor, samples, budget, max_length=min(lengths) - 1) == ([], [0, 2, 3, 4])
+
+
+def test_sorted_micro_batches_pad_less_and_keep_every_sample():
+    """train.sort_by_length: the same samples and passes, cut after ordering by length."""
+    _, processor = _model("llava")
+    samples = [MULTI_TURN, TEXT_ONLY, TWO_IMAGES, TEXT_ONLY, None, MULTI_TURN]
+    kept = [encode(processor, s) for s in samples if s]
+    batches, too_long = sorted_micro_batches(processor, samples, 2, 4, max_length=None)
+    assert too_long == [] and len(batches) == 4
+
+    def answers(batches) -> int:
+        return sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+
+    def padding_share(batches) -> float:
+        return 1 - sum(int(b["attention_mask"].sum()) for b in batches) / sum(
+            b["attention_mask"].numel() for b in batches
+        )
+
+    assert answers(batches) == sum(sum(t != IGNORE_INDEX for t in r.labels) for r in kept)
+    in_order = [_collate(processor, [encode(processor, s) for s in pair if s], True) for pair in
+                (samples[0:2], samples[2:4], samples[4:6])]  # fmt: skip
+    assert padding_share(batches[:3]) < padding_share(in_order)
 
 
 # ------------------------------------------------------------------------------------------ distributed
@@ -186,10 +213,13 @@ def test_packed_step_equals_padded_step_on_zero3_workers(ray_cluster, tiny_model
     folder, data = mixed_data
     configs = {}
     for arch in packing.VERIFIED:
-        for mode, extra in {
+        modes = {
             "padded": (),
             "packed": ("train.packing=true", "train.max_tokens_per_micro_batch=160"),
-        }.items():
+        }
+        if arch in ("llava", "qwen2_vl"):
+            modes["sorted"] = ("train.sort_by_length=true",)
+        for mode, extra in modes.items():
             configs[arch, mode] = tiny_run_config(
                 tiny_models(arch), data, folder, f"{arch}-{mode}", "lora.dropout=0", *extra
             )
@@ -204,6 +234,13 @@ def test_packed_step_equals_padded_step_on_zero3_workers(ray_cluster, tiny_model
             reference = torch.from_numpy(value)
             assert _relative(reference, torch.from_numpy(packed["moments"][name])) <= TOLERANCE, (arch, name)
     assert uneven, "no architecture had ranks with different pass counts (the stand-in passes untested)"
+    for arch in ("llava", "qwen2_vl"):
+        padded, sorted_ = got[arch, "padded"], got[arch, "sorted"]
+        assert sorted_["passes"] == [2, 2], arch
+        assert abs(sorted_["loss"] - padded["loss"]) <= TOLERANCE * abs(padded["loss"]), arch
+        for name, value in padded["moments"].items():
+            got_ = torch.from_numpy(sorted_["moments"][name])
+            assert _relative(torch.from_numpy(value), got_) <= TOLERANCE, (arch, name)
 
 
 @pytest.mark.distributed

@@ -201,3 +201,29 @@ def stand_in_pass(processor, rope_index=None) -> dict:
     """The packed pass a rank with fewer passes than another runs to stay in step with it: the stand-in
     row alone, with labels that train on nothing."""
     return packing.packed(_collate(processor, [_stand_in_row(processor)], with_answers=True), rope_index)
+
+
+def sorted_micro_batches(
+    processor,
+    samples: list[Decoded | None],
+    micro_batch_size: int,
+    count: int,
+    max_length: int | None,
+    *,
+    rejected: dict[int, str] | None = None,
+) -> tuple[list[dict], list[int]]:
+    """A rank's share of a step as `count` padded micro batches of similar lengths (train.sort_by_length):
+    the usable samples ordered by length, then cut, so that each micro batch pads to a length near its
+    own samples'. A skipped slot (no sample, too long, bad) becomes a stand-in at the end, as a padded
+    step keeps it, so every rank still runs `count` passes of at most `micro_batch_size` rows."""
+    encoded, too_long = _encode_slots(processor, samples, max_length, rejected)
+    rows = sorted((r for r in encoded if r is not None), key=lambda r: len(r.labels))
+    rows += [_stand_in_row(processor) for r in encoded if r is None]
+    groups = [rows[k : k + micro_batch_size] for k in range(0, len(rows), micro_batch_size)]
+    groups += [[_stand_in_row(processor)] for _ in range(count - len(groups))]
+    batches = []
+    for group in groups:
+        if not any(r.vision for r in group):
+            group.append(_stand_in_row(processor))
+        batches.append(_collate(processor, group, with_answers=True))
+    return batches, too_long

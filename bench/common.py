@@ -444,3 +444,16 @@ def step_clock(path: str | Path):
 def read_clock(path: str | Path) -> list[dict]:
     p = Path(path)
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.is_file() else []
+
+
+def peak_rss_reset() -> None:
+    """Reset this process's peak resident memory (VmHWM) to its current resident size (Linux)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since the start or the last `peak_rss_reset`."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")

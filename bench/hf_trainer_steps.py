@@ -10,9 +10,14 @@ What the HF side is, and why:
   trainable with `requires_grad_` (raylora's `arch.REGISTRY` prefixes). Trainer's own torch AdamW.
 - Micro batch 4, 2 micro batches per step per rank: 16 samples a step over the 2 ranks, as raylora's
   global batch 16 at micro batch 4. `torch.set_num_threads(1)` in each rank, as raylora's side.
-- CPU: `use_cpu` is not set: with it TrainingArguments builds a plain (non-DeepSpeed) distributed state,
-  and the DeepSpeed config would not be used. DeepSpeed falls back to its CPU accelerator (gloo, no
-  oneCCL here) where there is no GPU; `DS_ACCELERATOR=cpu` makes that explicit.
+- CPU: not `use_cpu=True`, which turns DeepSpeed off (accelerate takes its DeepSpeed path only `and not
+  cpu`). Left to itself on a machine without a GPU, accelerate picks no backend and counts 1 process
+  while DeepSpeed's CPU accelerator (`DS_ACCELERATOR=cpu`, gloo) joins both: each rank would read the
+  same batches, and the Trainer's token gather fails on gloo ("invalid output tensor list at index 0
+  (expected length 2, got 1)"). So each rank makes the state itself, `PartialState(backend="gloo")` under
+  ACCELERATE_USE_DEEPSPEED=true (what `accelerate launch` with a DeepSpeed config sets), handed to the
+  Trainer by `accelerator_config={"use_configured_state": True}`. `raylora.ds` is imported only to skip
+  DeepSpeed's shared-memory op build (a minute of ninja at start-up, for inference's all-reduce only).
 - ZeRO-3 config: HF's "auto" values, plus `stage3_param_persistence_threshold` 0 and `overlap_comm` off,
   as raylora's tiny runs (`tests.support.tiny_run_config`, `raylora.zero.deepspeed_config` on CPU), so
   the two sides differ in how they batch and step, not in a ZeRO knob.
@@ -27,6 +32,7 @@ What the HF side is, and why:
   of every micro batch, gathered over the ranks). Time: a `TrainerCallback` on rank 0; a step is from the
   previous step's end to its own end, since the Trainer collates a step's micro batches before
   `on_step_begin` (raylora's timed step makes its batches too). Peak memory: VmHWM, reset at train begin.
+  Padding share: the positions of the micro batches the collate_fn made (the first steps x 2 per rank).
 """
 
 from __future__ import annotations
@@ -56,17 +62,6 @@ ZERO3 = {
 }
 
 
-def _peak_rss_reset() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current resident size
-
-
-def _peak_rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
 def collate(processor, samples: list[tuple[list, list]]) -> dict:
     """An HF-docs VLM collate_fn: chat template, the processor pads, labels -100 on padding and images."""
     texts = [processor.apply_chat_template(messages, tokenize=False) for messages, _ in samples]
@@ -94,6 +89,7 @@ def _worker(rank: int, port: int, job: dict) -> None:
     """One rank: the Trainer run, its step clock and peak memory written to job["out"]-RANK.json."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
+    import accelerate
     import datasets
     import peft
     import torch
@@ -107,8 +103,12 @@ def _worker(rank: int, port: int, job: dict) -> None:
 
     torch.set_num_threads(1)
     transformers.set_seed(0)
+    # as `accelerate launch` sets it for a DeepSpeed config; the gloo state made here (module docstring)
+    os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    accelerate.PartialState(backend="gloo")
     args = transformers.TrainingArguments(
         output_dir=str(Path(job["work"]) / "trainer"),
+        accelerator_config={"use_configured_state": True},  # the PartialState above
         deepspeed=ZERO3,
         per_device_train_batch_size=MICRO,
         gradient_accumulation_steps=ACCUM,
@@ -141,10 +141,16 @@ def _worker(rank: int, port: int, job: dict) -> None:
     rows = open_rows(job["data"])
     kept = datasets.Dataset.from_dict({"row": job["rows"], "length": job["lengths"]})
     clock: list[dict] = []
+    passes: list[list[int]] = []  # per micro batch collated here: [non-padding, positions]
+
+    def collate_rows(items: list[dict]) -> dict:
+        batch = collate(processor, [batches.read(rows, x["row"]) for x in items])
+        passes.append([int(batch["attention_mask"].sum()), batch["attention_mask"].numel()])
+        return batch
 
     class StepClock(transformers.TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):
-            _peak_rss_reset()
+            common.peak_rss_reset()
             self.last, self.tokens = time.perf_counter(), state.num_input_tokens_seen
 
         def on_step_begin(self, args, state, control, **kwargs):
@@ -161,16 +167,22 @@ def _worker(rank: int, port: int, job: dict) -> None:
             )
             self.last, self.tokens = now, state.num_input_tokens_seen
 
+        def on_train_end(self, args, state, control, **kwargs):
+            self.peak = common.peak_rss_bytes()
+
+    clock_cb = StepClock()
     trainer = transformers.Trainer(
         model=model,
         args=args,
         train_dataset=kept,
-        data_collator=lambda items: collate(processor, [batches.read(rows, x["row"]) for x in items]),
-        callbacks=[StepClock()],
+        data_collator=collate_rows,
+        callbacks=[clock_cb],
     )
     trainer.train()
-    peak = _peak_rss_bytes()
-    Path(f"{job['out']}-{rank}.json").write_text(json.dumps({"steps": clock, "peak_rss_bytes": peak}))
+    # the micro batches the steps trained on: the first ones collated (the loader collates one ahead)
+    used = passes[: job["steps"] * ACCUM]
+    result = {"steps": clock, "peak_rss_bytes": clock_cb.peak, "passes": used}
+    Path(f"{job['out']}-{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -186,7 +198,9 @@ def hf_trainer_run(
     max_pixels: int | None,
 ) -> dict:
     """Useful tokens per second of `steps` Trainer steps after `warmup` (2 CPU processes, ZeRO-3), the
-    largest peak resident memory of a rank, the rows filtered out as too long, and the per-step figures."""
+    largest peak resident memory of a rank, the padding share of the timed steps' positions, the rows
+    filtered out as too long, and the per-step figures (seconds, compute_seconds, tokens, positions,
+    padding_share; collated_tokens, the tokens counted in the collate_fn, checks the Trainer's count)."""
     import torch.multiprocessing as mp
 
     from raylora.data.processor import load_processor
@@ -211,11 +225,17 @@ def hf_trainer_run(
     mp.spawn(_worker, args=(common.free_port(), job), nprocs=WORLD)
     ranks = [json.loads(Path(f"{out}-{r}.json").read_text()) for r in range(WORLD)]
     rows = ranks[0]["steps"]
+    for k, row in enumerate(rows):  # the step's padding share, its micro batches on every rank
+        useful, positions = (
+            sum(p[i] for r in ranks for p in r["passes"][k * ACCUM : (k + 1) * ACCUM]) for i in (0, 1)
+        )
+        row.update(positions=positions, padding_share=1 - useful / positions, collated_tokens=useful)
     timed = rows[warmup:]
     return {
         "useful_tokens_per_s": sum(r["tokens"] for r in timed) / sum(r["seconds"] for r in timed),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
         "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
+        "padding_share": 1 - sum(r["tokens"] for r in timed) / sum(r["positions"] for r in timed),
         "skipped_too_long": len(lengths) - len(kept),
         "steps": rows,
     }

@@ -18,6 +18,7 @@ from raylora.config import ConfigError
 from raylora.data import packing
 from raylora.data.batches import _collate, packed_passes, sorted_micro_batches, stand_in
 from raylora.data.labels import IGNORE_INDEX, encode
+from raylora.data.sampler import GlobalSampler
 from raylora.loss import answer_token_losses
 from tests.support import straight_and_killed, tiny_run_config
 from tests.test_batches import MULTI_TURN, SAMPLES, TEXT_ONLY, TWO_IMAGES, _write_chat_jsonl
@@ -173,6 +174,8 @@ def test_sorted_micro_batches_pad_less_and_keep_every_sample():
 # ------------------------------------------------------------------------------------------ distributed
 
 ROWS = 16
+BUDGET = 64  # tokens per packed pass: rank 0's share at step 0 takes several, rank 1's text rows one
+PACKED = ("train.packing=true", f"train.max_tokens_per_micro_batch={BUDGET}")
 
 
 def _one_step_each(configs: dict) -> dict:
@@ -188,21 +191,35 @@ def _one_step_each(configs: dict) -> dict:
         passes = [None] * s.world_size
         dist.all_gather_object(passes, len(worker.step_batches(s, 0).batches))
         metrics = worker.train_step(s)
-        _, moments = zero.gather_trainable_state(s.engine, s.params)
+        gathered = zero.gather_trainable_state(s.engine, s.params)  # (masters, moments) on rank 0
         out[key] = {
             "loss": metrics["loss"],
             "passes": passes,
-            "moments": {n: m.numpy() for n, m in moments.items()} if s.rank == 0 else None,
+            "moments": {n: m.numpy() for n, m in gathered[1].items()} if s.rank == 0 else None,
         }
         del s
     return out
 
 
+def _assert_moments_close(reference: dict, got: dict, arch: str) -> None:
+    """Every Adam moment within TOLERANCE of the largest one (relative to each tensor's own largest value
+    would not do: a CLIP key bias's gradient is zero but for rounding, about 1e-13 either way)."""
+    scale = max(float(abs(v).max()) for v in reference.values())
+    assert scale > 0, arch
+    for name, value in reference.items():
+        assert float(abs(got[name] - value).max()) <= TOLERANCE * scale, (arch, name)
+
+
 @pytest.fixture(scope="module")
 def mixed_data(tmp_path_factory):
-    """Chat JSONL with multi-turn one-image, two-image and text-only rows (tests.test_batches)."""
+    """Chat JSONL with multi-turn one-image, two-image and text-only rows (tests.test_batches), laid out
+    so that at step 0 rank 1's share is text only: it packs into fewer passes than rank 0's and runs
+    stand-in passes to stay in step."""
     folder = tmp_path_factory.mktemp("packing-data")
-    return folder, _write_chat_jsonl(folder, {1: "text", 5: "text", 6: "text", 10: "text", 13: "text"}, ROWS)
+    seed = tiny_run_config("m", "d", folder, "seed").train.seed
+    sampler = GlobalSampler(ROWS, 8, seed)  # tiny_run_config's global batch
+    text_only = [i for micro in sampler.micro_batches(0, 1, 2, 2) for i in micro]
+    return folder, _write_chat_jsonl(folder, dict.fromkeys(text_only, "text"), ROWS)
 
 
 @pytest.mark.distributed
@@ -215,7 +232,7 @@ def test_packed_step_equals_padded_step_on_zero3_workers(ray_cluster, tiny_model
     for arch in packing.VERIFIED:
         modes = {
             "padded": (),
-            "packed": ("train.packing=true", "train.max_tokens_per_micro_batch=160"),
+            "packed": PACKED,
         }
         if arch in ("llava", "qwen2_vl"):
             modes["sorted"] = ("train.sort_by_length=true",)
@@ -230,17 +247,13 @@ def test_packed_step_equals_padded_step_on_zero3_workers(ray_cluster, tiny_model
         assert padded["passes"] == [2, 2] and min(packed["passes"]) >= 1, arch
         uneven += len(set(packed["passes"])) > 1
         assert abs(packed["loss"] - padded["loss"]) <= TOLERANCE * abs(padded["loss"]), arch
-        for name, value in padded["moments"].items():
-            reference = torch.from_numpy(value)
-            assert _relative(reference, torch.from_numpy(packed["moments"][name])) <= TOLERANCE, (arch, name)
+        _assert_moments_close(padded["moments"], packed["moments"], arch)
     assert uneven, "no architecture had ranks with different pass counts (the stand-in passes untested)"
     for arch in ("llava", "qwen2_vl"):
         padded, sorted_ = got[arch, "padded"], got[arch, "sorted"]
         assert sorted_["passes"] == [2, 2], arch
         assert abs(sorted_["loss"] - padded["loss"]) <= TOLERANCE * abs(padded["loss"]), arch
-        for name, value in padded["moments"].items():
-            got_ = torch.from_numpy(sorted_["moments"][name])
-            assert _relative(torch.from_numpy(value), got_) <= TOLERANCE, (arch, name)
+        _assert_moments_close(padded["moments"], sorted_["moments"], arch)
 
 
 @pytest.mark.distributed
@@ -249,9 +262,7 @@ def test_killed_packed_run_resumes_bitwise_equal(ray_cluster, tiny_models, mixed
     from raylora import checkpoint
 
     folder, data = mixed_data
-    straight, killed = straight_and_killed(
-        tiny_models("qwen2_vl"), data, folder, 3, "train.packing=true", "train.max_tokens_per_micro_batch=160"
-    )
+    straight, killed = straight_and_killed(tiny_models("qwen2_vl"), data, folder, 3, *PACKED)
     with straight.checkpoint.as_directory() as a, killed.checkpoint.as_directory() as b:
         one, two = checkpoint.load(a), checkpoint.load(b)
     assert one.state.step == two.state.step == 6 and two.state.restarts == 1

@@ -163,10 +163,17 @@ def limit_length(
     all IGNORE_INDEX, so it changes neither the loss nor the gradient.
     """
     encoded, too_long = _encode_slots(processor, samples, max_length, rejected)
-    rows = [_stand_in_row(processor) if r is None else r for r in encoded]
+    return _with_an_image(
+        processor, [_stand_in_row(processor) if r is None else r for r in encoded]
+    ), too_long
+
+
+def _with_an_image(processor, rows: list[Row]) -> dict:
+    """A training batch of `rows`, with the stand-in image row added when none of them has an image (every
+    rank's pass must run the vision tower under ZeRO-3: `limit_length`)."""
     if not any(r.vision for r in rows):
-        rows.append(_stand_in_row(processor))
-    return _collate(processor, rows, with_answers=True), too_long
+        rows = [*rows, _stand_in_row(processor)]
+    return _collate(processor, rows, with_answers=True)
 
 
 def packed_passes(
@@ -190,10 +197,7 @@ def packed_passes(
     rows = [r for r in encoded if r is not None]
     passes = []
     for group in packing.pack([packing.length(r) for r in rows], budget):
-        members = [rows[i] for i in group]
-        if not any(r.vision for r in members):
-            members.append(_stand_in_row(processor))
-        passes.append(packing.packed(_collate(processor, members, with_answers=True), rope_index))
+        passes.append(packing.packed(_with_an_image(processor, [rows[i] for i in group]), rope_index))
     return passes, too_long
 
 
@@ -221,9 +225,4 @@ def sorted_micro_batches(
     rows += [_stand_in_row(processor) for r in encoded if r is None]
     groups = [rows[k : k + micro_batch_size] for k in range(0, len(rows), micro_batch_size)]
     groups += [[_stand_in_row(processor)] for _ in range(count - len(groups))]
-    batches = []
-    for group in groups:
-        if not any(r.vision for r in group):
-            group.append(_stand_in_row(processor))
-        batches.append(_collate(processor, group, with_answers=True))
-    return batches, too_long
+    return [_with_an_image(processor, group) for group in groups], too_long

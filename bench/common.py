@@ -353,10 +353,42 @@ class CpuSampler:
     """CPU time of every process on the machine, sampled every `every_s` seconds in a thread, grouped by
     what the process is: `cores(t0, t1)` gives each group's cores in use between two moments.
 
-    Groups: `workers` (Ray Train workers, the plain loop's processes, and the input-pipeline processes
-    forked from either), `ray_train_controller`, `other_ray` (raylet, GCS, dashboard, log monitor, Ray's
-    helper actors and idle workers), `benchmark_driver` (this process) and `rest`.
+    Groups (GROUPS): `workers` (Ray Train workers, the plain loop's processes, and the input-pipeline
+    processes forked from either), `ray_train_controller`, then each of Ray's own processes by kind
+    (`raylet`, `gcs_server`, `dashboard` with its module subprocesses, `dashboard_agent`,
+    `runtime_env_agent`, `log_monitor`, `autoscaler_monitor`, `idle_workers` (prestarted, not leased),
+    `other_ray` (helper actors such as Ray Train's placement-group cleaner)), `benchmark_driver` (this
+    process) and `rest`.
     """
+
+    GROUPS = (
+        "workers",
+        "ray_train_controller",
+        "raylet",
+        "gcs_server",
+        "dashboard",
+        "dashboard_agent",
+        "runtime_env_agent",
+        "log_monitor",
+        "autoscaler_monitor",
+        "idle_workers",
+        "other_ray",
+        "benchmark_driver",
+        "rest",
+    )
+    # (group, what its command line holds), first match wins; after the workers and the controller
+    _RAY_KINDS = (
+        ("raylet", "/raylet/raylet"),
+        ("gcs_server", "/gcs/gcs_server"),
+        ("dashboard_agent", "ray::DashboardAgent"),
+        ("runtime_env_agent", "ray::RuntimeEnvAgent"),
+        ("dashboard", "dashboard/dashboard.py"),
+        ("dashboard", "ray-dashboard-"),
+        ("dashboard", "ray.dashboard.subprocesses"),
+        ("log_monitor", "log_monitor.py"),
+        ("autoscaler_monitor", "autoscaler/_private/monitor.py"),
+        ("idle_workers", "ray::IDLE"),
+    )
 
     def __init__(self, every_s: float = 0.5):
         self.every_s, self.snapshots = every_s, []
@@ -372,7 +404,10 @@ class CpuSampler:
             return "workers"
         if "TrainController" in cmdline:
             return "ray_train_controller"
-        if "ray::" in cmdline or "/ray/" in cmdline or "raylet" in cmdline or "gcs_server" in cmdline:
+        for group, marker in CpuSampler._RAY_KINDS:
+            if marker in cmdline:
+                return group
+        if "ray::" in cmdline or "/ray/" in cmdline:
             return "other_ray"
         return "rest"
 
@@ -406,7 +441,7 @@ class CpuSampler:
             inside = [before[-1], after[0]]
         (a_t, a), (b_t, b) = inside[0], inside[-1]
         assert b_t > a_t, "the sampler saw the window only once"
-        out = dict.fromkeys(["workers", "ray_train_controller", "other_ray", "benchmark_driver", "rest"], 0.0)
+        out = dict.fromkeys(self.GROUPS, 0.0)
         for pid, (group, cpu) in b.items():
             if pid in a:
                 out[group] += (cpu - a[pid][1]) / (b_t - a_t)

@@ -176,6 +176,11 @@ def main() -> None:
     p.add_argument(
         "--warmup", type=int, default=None, help="steps left out at the start (default 5, --tiny 2)"
     )
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help=f"comma-separated, of {[s[0] for s in SIZES]} (default all; --tiny its own)",
+    )
     args = p.parse_args()
     reps = common.repeats(args, 3)
     steps = args.steps or (6 if args.tiny else 40)
@@ -184,6 +189,12 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     sizes = [("tiny", 32, 1, [])] if args.tiny else SIZES
+    if args.sizes and not args.tiny:
+        wanted = args.sizes.split(",")
+        unknown = set(wanted) - {s[0] for s in SIZES}
+        if unknown:
+            p.error(f"--sizes: no size {sorted(unknown)}; the sizes are {[s[0] for s in SIZES]}")
+        sizes = [s for s in SIZES if s[0] in wanted]
     with common.local_ray():
         results = {size[0]: measure(args, work, size, steps, warmup, reps) for size in sizes}
     values = {label: r["ratios"]["raylora_over_plain"] for label, r in results.items()}

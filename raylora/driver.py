@@ -275,6 +275,13 @@ def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
 # worker's report blocks until the previous one is taken, so per-step reports would cap training at
 # one step per poll. Polling every 0.1 s costs nothing measurable on the small clusters this is for.
 RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
+# A Ray that raylora starts itself is one node, this machine: no cloud provider drains it, so Ray Train's
+# preemption watcher (an actor started with every worker group, polling for drains) has nothing to
+# watch, and nobody scrapes its metrics (the workers' and agents' export loop). Both cost CPU that the
+# workers fill on a small machine (bench/throughput.py). The dashboard stays: Ray Train's placement-group
+# cleaner asks its state API whether the controller is alive, and fails every poll without it.
+LOCAL_RAY_ENV = {**RAY_ENV, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+LOCAL_RAY_SYSTEM_CONFIG = {"enable_metrics_collection": False}
 
 
 def init_ray(num_cpus: int | None = None) -> None:
@@ -286,7 +293,12 @@ def init_ray(num_cpus: int | None = None) -> None:
         ray.init(address=address)
     else:
         # "local": a new Ray of our own, even if someone ran `ray start` here (RAY_ADDRESS=auto joins that)
-        ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": RAY_ENV})
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            runtime_env={"env_vars": LOCAL_RAY_ENV},
+            _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+        )
 
 
 def run(cfg: Config, callbacks: list | None = None) -> ray.train.Result:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -176,21 +177,28 @@ def test_damaged_latest_checkpoint_falls_back_to_intact_one(straight, tiny_model
     storage, _ = straight
     model, data = tiny_models("llava"), digits[0]
     run_dir = storage / "damaged"
-    assert run(tiny_run_config(model, data, storage, "damaged", "train.max_steps=6")).error is None
-    folders = _checkpoints(run_dir)  # steps 2, 4, 6
+    # the uninterrupted run's folder under another name (Ray's snapshot names its checkpoints relative
+    # to it): checkpoints of steps 2, 4, 6, 8 and 10, without training them again
+    shutil.copytree(storage / "straight", run_dir)
+    folders = _checkpoints(run_dir)
+    assert len(folders) == STEPS // 2
     (folders[-1] / checkpoint.OPTIMIZER).write_bytes((folders[-1] / checkpoint.OPTIMIZER).read_bytes()[:-100])
     (folders[-2] / checkpoint.STATE).write_text("{ not json")
-    # longer schedule on the same run: it must resume from the step-2 checkpoint, the newest intact one
-    result = run(tiny_run_config(model, data, storage, "damaged", "train.max_steps=8"))
+    # longer schedule on the same run: it must resume from the step-6 checkpoint, the newest intact one
+    result = run(tiny_run_config(model, data, storage, "damaged", f"train.max_steps={STEPS + 2}"))
     assert result.error is None
     rows = read_metrics(str(storage), "damaged")
-    assert [r["step"] for r in rows if r["restarts"] == 1][0] == 3
+    assert [r["step"] for r in rows if r["restarts"] == 1][0] == STEPS - 3
     # every checkpoint damaged: the run stops at once with an error that says so (every attempt would
     # find the same damage, so it is not retried)
     for folder in _checkpoints(run_dir):
         (folder / checkpoint.ADAPTER_WEIGHTS).unlink(missing_ok=True)
     with pytest.raises(PermanentError, match="no intact checkpoint"):
-        run(tiny_run_config(model, data, storage, "damaged", "train.max_steps=10", "run.max_failures=0"))
+        run(
+            tiny_run_config(
+                model, data, storage, "damaged", f"train.max_steps={STEPS + 4}", "run.max_failures=0"
+            )
+        )
 
 
 @pytest.mark.parametrize(
@@ -227,3 +235,15 @@ def test_checkpoints_hold_only_json_and_safetensors(straight):
     for folder in _checkpoints(storage / "straight"):
         names = {p.name for p in folder.iterdir()}
         assert all(n.endswith((".json", ".safetensors")) for n in names), names
+
+
+def test_a_ray_of_raylora_own_starts_no_preemption_watcher(straight):
+    """The shared Ray here is `init_ray`'s own one-node Ray: the worker groups of the runs this process
+    started (its job; a driver that joins by address is another job) come without Ray Train's preemption
+    watcher, an actor each group would start (no provider drains this machine)."""
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()
+    classes = {a["ActorClassName"] for a in ray._private.state.actors().values() if a["JobID"] == job}
+    assert "RayTrainWorker" in classes and "TrainController" in classes, classes  # dead ones are listed too
+    assert "PreemptionWatcher" not in classes, classes

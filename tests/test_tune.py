@@ -41,39 +41,6 @@ def _final(storage: Path, run_name: str) -> checkpoint.Loaded:
     return checkpoint.load(folders[-1])
 
 
-def test_failed_trial_is_retried_and_resumes_its_own_run(ray_cluster, tiny_models, digits, tmp_path):
-    from raylora.tune import best, run_tune
-
-    space = tmp_path / "space.yaml"
-    space.write_text("train.lr: {grid: [1.0e-3, 2.0e-3]}\n")
-    # run.max_failures=0: the killed worker fails the Train run, so the trial fails and Tune retries it.
-    # Uploads are synchronous here so that step 2's checkpoint is recorded before the kill at step 3 (with
-    # the asynchronous default a kill during the upload rightly resumes from nothing).
-    overrides = _base(
-        tiny_models,
-        digits,
-        tmp_path,
-        "sweep",
-        "train.max_steps=4",
-        "run.max_failures=0",
-        "fault.kill_at_steps=3",
-        "fault.kill_rank=0",
-        "run.checkpoint_upload=sync",
-    )
-    results = run_tune(None, overrides, str(space), num_samples=1, max_concurrent=2)
-    assert len(results) == 2 and not any(r.error for r in results)
-    for result in results:
-        run_name = f"sweep-{result.metrics['trial_id']}"
-        final = _final(tmp_path, run_name)
-        assert final.state.step == 4 and final.state.restarts == 1, run_name
-        rows = read_metrics(str(tmp_path), run_name)
-        resumed = [r["step"] for r in rows if r["restarts"] == 1]
-        assert resumed == [3, 4], "the retried trial must continue from its step-2 checkpoint"
-        assert final.state.config["train"]["lr"] == result.config["train.lr"]
-    summary = best(results)
-    assert summary["checkpoint"] and summary["errors"] == 0 and "sweep-" in summary["checkpoint"]
-
-
 def test_bad_space_is_a_config_error(tiny_models, digits, tmp_path):
     from raylora.tune import run_tune
 
@@ -83,10 +50,29 @@ def test_bad_space_is_a_config_error(tiny_models, digits, tmp_path):
         run_tune(None, _base(tiny_models, digits, tmp_path, "bad"), str(space))
 
 
-def test_killed_tune_driver_resumes_unfinished_trials(ray_cluster, tiny_models, digits, tmp_path):
+def test_failed_trial_is_retried_then_killed_driver_resumes_both_trials(
+    ray_cluster, tiny_models, digits, tmp_path
+):
+    """One sweep, two faults in turn: each trial's worker dies before step 3 (run.max_failures=0 fails the
+    Train run, so the trial fails and Tune retries it from its own step-2 checkpoint); once both retried
+    trials have checkpointed again, the Tune driver itself is killed, and `raylora tune --resume` finishes
+    both from their newest checkpoints."""
     space = tmp_path / "space.yaml"
-    space.write_text("train.lr: {grid: [1.0e-3, 2.0e-3]}\n")
-    overrides = _base(tiny_models, digits, tmp_path, "drv", "train.max_steps=12")
+    lrs = [1.0e-3, 2.0e-3]
+    space.write_text(f"train.lr: {{grid: {lrs}}}\n")
+    # Uploads are synchronous so that step 2's checkpoint is recorded before the kill at step 3 (with the
+    # asynchronous default a kill during the upload rightly resumes from nothing).
+    overrides = _base(
+        tiny_models,
+        digits,
+        tmp_path,
+        "drv",
+        "train.max_steps=12",
+        "run.max_failures=0",
+        "fault.kill_at_steps=3",
+        "fault.kill_rank=0",
+        "run.checkpoint_upload=sync",
+    )
     env = dict(os.environ, RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     cmd = [
         sys.executable,
@@ -102,26 +88,48 @@ def test_killed_tune_driver_resumes_unfinished_trials(ray_cluster, tiny_models, 
         "jobs/tiny.yaml",
         *overrides,
     ]
+
+    def recorded_by_run() -> dict[str, int]:
+        """Each trial's run and the newest step whose checkpoint Ray has recorded (a resume's start)."""
+        from raylora.storage import recorded_steps, run_folder
+
+        found = {}
+        for folder in tmp_path.glob("drv-*_*"):  # not drv-tune, Tune's own
+            if folder.is_dir():
+                found[folder.name] = max(recorded_steps(*run_folder(str(tmp_path), folder.name)), default=0)
+        return found
+
     root = Path(__file__).resolve().parent.parent
     log = open(tmp_path / "driver.log", "w")
     driver = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
-    while time.time() < deadline and not list(tmp_path.glob("drv-*/checkpoint_*/manifest.json")):
+    deadline = time.time() + 600
+    # step 4's checkpoint recorded: only after the trial failed before step 3 and Tune retried it
+    while time.time() < deadline and not (
+        len(recorded_by_run()) == 2 and min(recorded_by_run().values()) >= 4
+    ):
         assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
         time.sleep(0.5)
     driver.send_signal(signal.SIGKILL)
     driver.wait()
-    interrupted = {p.parent.parent.name for p in tmp_path.glob("drv-*/checkpoint_*/manifest.json")}
-    assert interrupted, "no trial had a checkpoint before the driver was killed"
+    interrupted = recorded_by_run()
+    assert len(interrupted) == 2 and min(interrupted.values()) >= 4, interrupted
     resumed = subprocess.run(
         cmd + ["--resume"], cwd=root, env=env, capture_output=True, text=True, timeout=900
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "best trial: loss=" in resumed.stdout
+    assert "best trial: loss=" in resumed.stdout and '"errors": 0' in resumed.stdout
     runs = sorted(p.name for p in tmp_path.glob("drv-*_*") if p.is_dir())  # not drv-tune, Tune's own
-    assert len(runs) == 2
+    assert runs == sorted(interrupted)
+    trained_lrs = []
     for run_name in runs:
         final = _final(tmp_path, run_name)
-        assert final.state.step == 12
-    for run_name in interrupted:  # these continued from their checkpoints instead of starting over
-        assert _final(tmp_path, run_name).state.restarts >= 1
+        # one restart for Tune's retry of the failed trial, at least one more for the killed driver
+        assert final.state.step == 12 and final.state.restarts >= 2, (run_name, final.state.restarts)
+        rows = read_metrics(str(tmp_path), run_name)
+        steps = {k: [r["step"] for r in rows if r["restarts"] == k] for k in (0, 1)}
+        # the retry went on from step 2's checkpoint; the killed driver's resume from the newest recorded
+        assert steps[0][-1] == 2 and steps[1][0] == 3, [(r["step"], r["restarts"]) for r in rows]
+        after = [r["step"] for r in rows if r["restarts"] >= 2]
+        assert after[0] == interrupted[run_name] + 1, [(r["step"], r["restarts"]) for r in rows]
+        trained_lrs.append(final.state.config["train"]["lr"])
+    assert sorted(trained_lrs) == lrs, "each trial trained at its own point of the space"

@@ -235,6 +235,9 @@ def main() -> None:
                 "Ray Train 2.60 takes one report per controller poll (a one-deep queue), so raylora polls "
                 "every 0.1 s; a slower poll caps training at one step per poll (0.5 s: 2 steps/s here).",
                 "The ratio is of medians; raylora_over_plain_per_pair gives each back-to-back pair's ratio.",
+                "The Ray here is raylora's own local one (init_ray: no preemption watcher, no metrics "
+                "export); the plain loop runs beside the same, idle, Ray. cores_while_training splits "
+                "Ray's processes by kind; a group's cores divided by the steps/s is its CPU per step.",
             ],
         },
     )

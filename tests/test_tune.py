@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -104,9 +105,10 @@ def test_failed_trial_is_retried_then_killed_driver_resumes_both_trials(
     driver = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 600
     # step 4's checkpoint recorded: only after the trial failed before step 3 and Tune retried it
-    while time.time() < deadline and not (
-        len(recorded_by_run()) == 2 and min(recorded_by_run().values()) >= 4
-    ):
+    while time.time() < deadline:
+        recorded = recorded_by_run()
+        if len(recorded) == 2 and min(recorded.values()) >= 4:
+            break
         assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
         time.sleep(0.5)
     driver.send_signal(signal.SIGKILL)
@@ -118,6 +120,7 @@ def test_failed_trial_is_retried_then_killed_driver_resumes_both_trials(
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "best trial: loss=" in resumed.stdout and '"errors": 0' in resumed.stdout
+    assert re.search(r"best trial: loss=\S+ checkpoint=\S*drv-", resumed.stdout), resumed.stdout[-2000:]
     runs = sorted(p.name for p in tmp_path.glob("drv-*_*") if p.is_dir())  # not drv-tune, Tune's own
     assert runs == sorted(interrupted)
     trained_lrs = []

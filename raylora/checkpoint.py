@@ -73,7 +73,8 @@ class TrainState:
     epoch: int
     """Epoch of the next step's batch."""
     sampler: dict[str, int]
-    """The global sampler: seed, num_samples, global_batch_size; its position is `step`."""
+    """The global sampler: seed, num_samples, global_batch_size, group_by_length (recorded since it
+    exists; absent means off); its position is `step`."""
     scheduler: dict[str, Any]
     """The LR scheduler's `state_dict()`."""
     world_size: int

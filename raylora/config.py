@@ -163,6 +163,14 @@ class TrainConfig:
     """Without packing: order each rank's share of a step by sample length before cutting it into micro
     batches, so each pads to near its own samples' length (the same samples and loss; their grouping into
     micro batches, and so the summation order and dropout noise, change)."""
+    group_by_length: bool = False
+    """Order each epoch so that every step's global batch holds samples of similar length (as the HF
+    Trainer's group_by_length does): the shuffled epoch cut into groups of 50 steps' samples (a quarter
+    of an epoch's steps where that is fewer), each sorted by tokens and cut into its steps, which run in a
+    shuffled order (raylora.data.sampler). Every sample still trains once an epoch, but which samples
+    share a step changes: steps of long samples and of short ones, so the loss per step swings more. The
+    tokens of every row are counted once per run, by the workers at their start, and kept in the run's
+    folder for its restarts."""
     max_tokens_per_micro_batch: int | None = None
     """Tokens per packed pass (train.packing), image tokens included; required with packing. A sample
     longer than it is skipped as too long (data.max_length, when set, must not exceed it)."""

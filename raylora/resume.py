@@ -195,7 +195,18 @@ SAMPLER_KEYS = {
     "seed": ("train.seed", "seed"),
     "global_batch_size": ("train.global_batch_size", "global batch size"),
     "num_samples": ("data.train", "usable rows of data.train"),
+    "group_by_length": ("train.group_by_length", "train.group_by_length"),
 }
+
+
+def sampler_fields(sampler) -> dict:
+    """The fields of a `GlobalSampler` that its checkpoints record (`SAMPLER_KEYS`)."""
+    return {
+        "seed": sampler.seed,
+        "global_batch_size": sampler.global_batch_size,
+        "num_samples": sampler.num_samples,
+        "group_by_length": sampler.lengths is not None,
+    }
 
 
 def check_sampler(saved: dict[str, int], now: dict[str, int], where: str) -> None:
@@ -204,6 +215,7 @@ def check_sampler(saved: dict[str, int], now: dict[str, int], where: str) -> Non
     The order of every step's batch follows from the sampler's fields alone, so a resume with another
     seed, global batch size or number of samples would go on with batches the run never planned.
     """
+    saved = {"group_by_length": False, **saved}  # recorded since train.group_by_length exists
     for field, (key, what) in SAMPLER_KEYS.items():
         if field in now and field in saved and saved[field] != now[field]:
             raise ConfigError(
@@ -335,7 +347,11 @@ def check_resume(cfg: Config) -> checkpoint.TrainState | None:
     if found is None:
         return None
     folder, state = found
-    sampler = {"seed": cfg.train.seed, "global_batch_size": cfg.train.global_batch_size}
+    sampler = {
+        "seed": cfg.train.seed,
+        "global_batch_size": cfg.train.global_batch_size,
+        "group_by_length": cfg.train.group_by_length,
+    }
     check_sampler(state.sampler, sampler, folder)
     # The row count from the source's metadata, which a changed data set almost always changes.
     _, rows = check_source(cfg.data.train, "data.train", cfg.data.format, cfg.data.image_root)

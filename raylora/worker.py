@@ -25,7 +25,7 @@ from transformers import get_cosine_schedule_with_warmup
 from raylora import checkpoint, console, determinism, failures, hub, resume, zero
 from raylora.arch import Architecture, for_model
 from raylora.config import Config
-from raylora.data import packing
+from raylora.data import lengths, packing
 from raylora.data.batches import (
     check_max_length,
     limit_length,
@@ -135,7 +135,12 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | Non
         params=params,
         processor=processor,
         data=data,
-        sampler=GlobalSampler(len(data), cfg.train.global_batch_size, cfg.train.seed),
+        sampler=GlobalSampler(
+            len(data),
+            cfg.train.global_batch_size,
+            cfg.train.seed,
+            lengths.token_lengths(cfg, processor, data, engine.device) if cfg.train.group_by_length else None,
+        ),
         rank=rank,
         world_size=world,
         arch=arch,
@@ -364,11 +369,7 @@ def save_checkpoint(s: Setup) -> ray.train.Checkpoint | None:
     state = checkpoint.TrainState(
         step=s.step,
         epoch=s.sampler.epoch(s.step),
-        sampler={
-            "seed": s.sampler.seed,
-            "num_samples": s.sampler.num_samples,
-            "global_batch_size": s.sampler.global_batch_size,
-        },
+        sampler=resume.sampler_fields(s.sampler),
         scheduler=s.scheduler.state_dict(),
         world_size=s.world_size,
         trainable=shapes(s.params),
@@ -407,7 +408,7 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
         restore_from = resume.restore_agreed(cfg, ray.train.get_checkpoint())
         s = setup(cfg, restore_from)
         if restore_from is not None:  # the exact count of usable rows is known only once decoded
-            sampler = {k: getattr(s.sampler, k) for k in resume.SAMPLER_KEYS}
+            sampler = resume.sampler_fields(s.sampler)
             where = f"the checkpoint of step {restore_from.state.step}"
             resume.check_sampler(restore_from.state.sampler, sampler, where)
     except failures.PERMANENT as err:

@@ -5,20 +5,24 @@ packed row equal the padded batch's within 1e-5 relative, on multi-turn, two-ima
 Qwen2-VL's 3-D rotary positions are the per-sample ones (1-D positions give other numbers), and Gemma 3,
 whose packed row is not its padded batch, is refused before Ray starts. On 2 ZeRO-3 workers: one step
 packed against one step padded on every verified architecture (loss and Adam moments), and a packed run
-killed and resumed bitwise equal to an uninterrupted packed run.
+killed and resumed bitwise equal to an uninterrupted packed run (with train.group_by_length, whose
+sample order is tested here too).
 """
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 
 from raylora.assets import TINY_ARCHS, build_tiny_model
 from raylora.config import ConfigError
-from raylora.data import packing
-from raylora.data.batches import _collate, packed_passes, sorted_micro_batches, stand_in
+from raylora.data import lengths, packing
+from raylora.data.batches import _collate, packed_passes, read, sorted_micro_batches, stand_in
 from raylora.data.labels import IGNORE_INDEX, encode
-from raylora.data.sampler import GlobalSampler
+from raylora.data.sampler import LENGTH_GROUP_STEPS, GlobalSampler
 from raylora.loss import answer_token_losses
 from tests.support import straight_and_killed, tiny_run_config
 from tests.test_batches import MULTI_TURN, SAMPLES, TEXT_ONLY, TWO_IMAGES, _write_chat_jsonl
@@ -171,6 +175,99 @@ def test_sorted_micro_batches_pad_less_and_keep_every_sample():
     assert padding_share(batches[:3]) < padding_share(in_order)
 
 
+def _log_normal_lengths(n: int, seed: int = 0) -> np.ndarray:
+    """Long-tailed token counts, as real conversations have (bench/padding.py's mixes)."""
+    return (np.random.default_rng(seed).lognormal(np.log(300), 0.9, n)).astype(np.int64) + 20
+
+
+def test_grouped_epoch_holds_every_sample_once_in_steps_of_similar_length():
+    """train.group_by_length: the same samples an epoch as the plain order, each step sorted and near in
+    length, the steps of a group in a shuffled order, and the order a function of (seed, epoch) alone."""
+    n, size = 5000, 32
+    lengths = _log_normal_lengths(n)
+    plain = GlobalSampler(n, size, seed=7)
+    grouped = GlobalSampler(n, size, seed=7, lengths=lengths)
+    steps = plain.steps_per_epoch
+    for epoch in (0, 1):
+        mine = [grouped.global_batch(epoch * steps + k) for k in range(steps)]
+        theirs = [plain.global_batch(epoch * steps + k) for k in range(steps)]
+        # every sample the plain epoch trains on, once (drop-last drops the same ones)
+        assert sorted(i for b in mine for i in b) == sorted(i for b in theirs for i in b)
+        assert all(len(b) == size for b in mine)
+        assert all(list(lengths[b]) == sorted(lengths[b]) for b in mine)  # each rank's share: neighbours
+
+        def padding(batches) -> float:  # micro batches of 4, padded to their longest
+            cut = [lengths[b[k : k + 4]] for b in batches for k in range(0, size, 4)]
+            return 1 - sum(c.sum() for c in cut) / sum(c.max() * len(c) for c in cut)
+
+        assert padding(mine) < padding(theirs) / 4, (padding(mine), padding(theirs))
+        # within a group the steps are not run from short to long
+        first_group = [int(lengths[b].max()) for b in mine[: grouped.group_steps]]
+        assert first_group != sorted(first_group)
+    # groups of 50 steps, as the HF Trainer's megabatches; a quarter of a short epoch's steps
+    assert grouped.group_steps == min(LENGTH_GROUP_STEPS, steps // 4) == 39
+    assert GlobalSampler(512, 16, 0, lengths=lengths[:512]).group_steps == 8
+    assert grouped.global_batch(5) == GlobalSampler(n, size, 7, lengths=lengths.copy()).global_batch(5)
+    assert grouped.global_batch(5) != GlobalSampler(n, size, 8, lengths=lengths).global_batch(5)
+    assert grouped.global_batch(3) != grouped.global_batch(steps + 3)  # each epoch its own order
+    for world in (1, 3, 4):  # the global batch is the same whatever the number of workers
+        shares = [i for r in range(world) for mb in grouped.micro_batches(4, r, world, 2) for i in mb]
+        assert [i for i in shares if i is not None] == grouped.global_batch(4)
+
+
+def test_grouped_order_is_refused_on_resume_when_the_setting_changed():
+    from raylora import resume
+
+    before = {"seed": 0, "global_batch_size": 8, "num_samples": 16}  # a checkpoint from before the setting
+    resume.check_sampler(before, {**before, "group_by_length": False}, "ckpt")
+    with pytest.raises(ConfigError, match=r"train.group_by_length: ckpt was trained with .* False"):
+        resume.check_sampler(before, {**before, "group_by_length": True}, "ckpt")
+    with pytest.raises(ConfigError, match=r"train.group_by_length: .* True, this config gives False"):
+        resume.check_sampler({**before, "group_by_length": True}, {**before, "group_by_length": False}, "c")
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo process group of one rank in this process; destroyed after the test."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_token_lengths_are_counted_as_a_step_encodes_and_kept_for_restarts(
+    one_rank, tiny_models, tmp_path, monkeypatch
+):
+    from raylora.data.formats import open_rows
+    from raylora.data.processor import load_processor
+
+    model = tiny_models("qwen2_vl")
+    processor = load_processor(model)
+    data = _write_chat_jsonl(tmp_path, {1: "text", 4: "corrupt"}, 6)
+    cfg = tiny_run_config(model, data, tmp_path, "grouped", "train.group_by_length=true")
+    rows = open_rows(data)
+    got = lengths.token_lengths(cfg, processor, rows, torch.device("cpu"))
+    expected = [0 if i == 4 else len(encode(processor, read(rows, i)).labels) for i in range(6)]
+    assert got.tolist() == expected and len(set(expected)) > 2  # the corrupt image's row counts 0
+    kept = tmp_path / "grouped" / lengths.LENGTHS
+    assert kept.is_file()
+
+    def counted_again(*args):
+        raise AssertionError("counted again")
+
+    monkeypatch.setattr(lengths, "count", counted_again)
+    assert lengths.token_lengths(cfg, processor, rows, torch.device("cpu")).tolist() == expected
+    # other image limits give other Qwen2-VL image tokens: the kept counts are not theirs
+    smaller = tiny_run_config(
+        model, data, tmp_path, "grouped", "train.group_by_length=true", "data.max_pixels=3136"
+    )
+    with pytest.raises(AssertionError, match="counted again"):
+        lengths.token_lengths(smaller, processor, rows, torch.device("cpu"))
+
+
 # ------------------------------------------------------------------------------------------ distributed
 
 ROWS = 16
@@ -258,11 +355,22 @@ def test_packed_step_equals_padded_step_on_zero3_workers(ray_cluster, tiny_model
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_killed_packed_run_resumes_bitwise_equal(ray_cluster, tiny_models, mixed_data):
+def test_killed_packed_grouped_run_resumes_bitwise_equal(ray_cluster, tiny_models, mixed_data):
+    """Packed, and with train.group_by_length (the workers count every row's tokens, half each, and the
+    restarted group reads the counts kept in the run's folder)."""
     from raylora import checkpoint
+    from raylora.data.formats import open_rows
+    from raylora.data.processor import load_processor
 
     folder, data = mixed_data
-    straight, killed = straight_and_killed(tiny_models("qwen2_vl"), data, folder, 3, *PACKED)
+    model = tiny_models("qwen2_vl")
+    grouped = "train.group_by_length=true"
+    straight, killed = straight_and_killed(model, data, folder, 3, *PACKED, grouped)
+    processor, rows = load_processor(model), open_rows(data)
+    counts = [len(encode(processor, read(rows, i)).labels) for i in range(ROWS)]
+    for run in ("straight", "killed"):
+        kept = json.loads((folder / run / lengths.LENGTHS).read_text())
+        assert kept["lengths"] == counts and kept["key"]["rows"] == ROWS, run
     with straight.checkpoint.as_directory() as a, killed.checkpoint.as_directory() as b:
         one, two = checkpoint.load(a), checkpoint.load(b)
     assert one.state.step == two.state.step == 6 and two.state.restarts == 1

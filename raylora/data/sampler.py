@@ -1,24 +1,39 @@
 """The global sampler: which samples form step `s`'s batch depends only on (seed, epoch) and the global batch
-size, never on the number of workers. Ray Data's iterators have no state to save, so an exact mid-epoch
-resume needs this sampler of our own; its position is just the step.
+size (and, with train.group_by_length, the samples' token counts), never on the number of workers. Ray
+Data's iterators have no state to save, so an exact mid-epoch resume needs this sampler of our own; its
+position is just the step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from raylora.config import ConfigError
 
+# train.group_by_length: steps per group whose samples are sorted by length together, as the HF Trainer's
+# LengthGroupedSampler sorts "megabatches" of 50 batches (fewer where an epoch has under 200 steps: a
+# quarter of them, as it does); more steps per group pad less but let a group's steps differ more in
+# length (its long steps and its short ones).
+LENGTH_GROUP_STEPS = 50
+
 
 @dataclass(frozen=True)
 class GlobalSampler:
-    """Sample order from (seed, epoch) only; one global batch per step, drop-last within an epoch."""
+    """Sample order from (seed, epoch) only; one global batch per step, drop-last within an epoch.
+
+    With `lengths` (each sample's tokens: train.group_by_length) the epoch's shuffled order is cut into
+    groups of `group_steps` steps' samples, each group sorted by length and cut into its steps'
+    global batches, which then run in a shuffled order: every sample still once an epoch, and each step
+    holds samples of similar length, so its micro batches pad little. Within a global batch the samples
+    stay sorted, so each rank's contiguous share, and each micro batch, holds neighbours in length.
+    """
 
     num_samples: int
     global_batch_size: int
     seed: int
+    lengths: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.num_samples < self.global_batch_size:
@@ -31,6 +46,11 @@ class GlobalSampler:
     def steps_per_epoch(self) -> int:
         return self.num_samples // self.global_batch_size
 
+    @property
+    def group_steps(self) -> int:
+        """Steps per length-sorted group (train.group_by_length)."""
+        return max(1, min(LENGTH_GROUP_STEPS, self.steps_per_epoch // 4))
+
     def epoch(self, step: int) -> int:
         return step // self.steps_per_epoch
 
@@ -38,8 +58,17 @@ class GlobalSampler:
         """Sample indices of the global batch that optimizer step `step` (0-based) trains on."""
         epoch, pos = divmod(step, self.steps_per_epoch)
         order = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-        start = pos * self.global_batch_size
-        return order[start : start + self.global_batch_size].tolist()
+        size = self.global_batch_size
+        if self.lengths is None:
+            return order[pos * size : (pos + 1) * size].tolist()
+        group, within = divmod(pos, self.group_steps)
+        first = group * self.group_steps
+        steps = min(self.group_steps, self.steps_per_epoch - first)  # an epoch's last group may be short
+        members = order[first * size : (first + steps) * size]
+        # stable: equal lengths keep the shuffled order, so the order follows from (seed, epoch) alone
+        members = members[np.argsort(self.lengths[members], kind="stable")]
+        batch = np.random.default_rng([self.seed, epoch, group]).permutation(steps)[within]
+        return members[batch * size : (batch + 1) * size].tolist()
 
     def shares(self, world_size: int) -> list[int]:
         """Samples each rank trains on per step: the global batch split as evenly as it goes, so that

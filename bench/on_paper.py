@@ -406,7 +406,8 @@ def packing_on_paper(name: str, model_config, steps: int, samples: int) -> dict:
     frozen linear layers (forward, recomputed forward, the input gradient; LoRA's own are under 1%) and
     4 x the attention's forward (forward, recomputation, backward at twice the forward), whose forward is
     4 h L^2 per layer for a row attended whole (sdpa under a mask) and 2 h L^2 for a causal block that a
-    kernel skips the upper half of (flash_attention_2's varlen path, which also unpads a padded batch).
+    kernel skips the upper half of (flash_attention_2's varlen path, which also unpads a padded batch, and
+    raylora's packed sdpa, `packing.PACKED_SDPA`: each sample's attention on its own, causal, no mask).
     Logits: only at answer positions in both (raylora.loss), so left out. The vision tower sees the same
     images either way, so it is left out too.
     """
@@ -437,7 +438,10 @@ def packing_on_paper(name: str, model_config, steps: int, samples: int) -> dict:
     padded_sdpa = flops(padded["positions_per_step"], padded["attention_squares_per_step"], False)
     # a padded batch under flash_attention_2 is unpadded for the attention: each sample's own causal block
     padded_flash = flops(padded["positions_per_step"], packed["attention_squares_per_step"]["varlen"], True)
-    packed_sdpa = flops(packed["positions_per_step"], packed["attention_squares_per_step"]["masked"], False)
+    # raylora's packed passes under sdpa: each sample on its own, as the varlen path
+    packed_sdpa = flops(packed["positions_per_step"], packed["attention_squares_per_step"]["varlen"], True)
+    # transformers' own sdpa would attend each packed row whole, the other samples masked out
+    packed_masked = flops(packed["positions_per_step"], packed["attention_squares_per_step"]["masked"], False)
     packed_flash = flops(packed["positions_per_step"], packed["attention_squares_per_step"]["varlen"], True)
     memory = memory_per_gpu(name, model_config, "llava" if name == "llava-1.5-7b" else "qwen2_vl")
     worst = memory["scenarios"]["shipped"]
@@ -452,11 +456,13 @@ def packing_on_paper(name: str, model_config, steps: int, samples: int) -> dict:
             "padded_sdpa": padded_sdpa / 1e12,
             "padded_flash_attention_2": padded_flash / 1e12,
             "packed_sdpa": packed_sdpa / 1e12,
+            "packed_sdpa_masked_row": packed_masked / 1e12,
             "packed_flash_attention_2": packed_flash / 1e12,
         },
         "speedup_on_paper": {
             "flash_attention_2": padded_flash / packed_flash,
             "sdpa": padded_sdpa / packed_sdpa,
+            "sdpa_masked_row": padded_sdpa / packed_masked,
             "bound_1_over_1_minus_padding": padded["speedup_bound"],
         },
         "passes_per_rank_per_step": {

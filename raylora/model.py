@@ -15,6 +15,7 @@ from raylora import hub
 from raylora.arch import Architecture, auto_model_class, lora_target_regex, remote_code
 from raylora.checkpoint import is_adapter
 from raylora.config import Config, ConfigError
+from raylora.data import packing
 from raylora.zero import full_shape
 
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's parameter names
@@ -42,6 +43,8 @@ def build_model(cfg: Config, arch: Architecture, ds_config: dict) -> tuple[peft.
             f"be initialised at random: {', '.join(missing[:5])}"
             + (f"; the files hold instead: {', '.join(unexpected[:5])}" if unexpected else "")
         )
+    if cfg.train.packing and cfg.model.attn_implementation == "sdpa":
+        packing.use_packed_attention(model)  # each packed sample's attention on its own
     prepare_for_training(model, cfg)
     return add_lora(model, cfg, arch), zero3
 

@@ -273,12 +273,16 @@ def _pinned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v if v.is_pinned() else v.pin_memory() for k, v in tensors.items()}
 
 
+# Read on the host by the attention (packing.packed_sdpa, every layer): on a GPU it would wait each time.
+HOST_ONLY = ("cu_seq_lens_q",)
+
+
 def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """`tensors` on `device`: on a GPU from page-locked memory and `non_blocking`, so that the host queues
-    the step's kernels without waiting for each copy; on the CPU as they are."""
+    the step's kernels without waiting for each copy; on the CPU as they are (and `HOST_ONLY` always)."""
     if device.type != "cuda":
         return tensors
-    return {k: v.to(device, non_blocking=True) for k, v in _pinned(tensors).items()}
+    return {k: v if k in HOST_ONLY else v.to(device, non_blocking=True) for k, v in _pinned(tensors).items()}
 
 
 def step_batches(s: Setup, step: int) -> StepBatches:

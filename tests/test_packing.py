@@ -70,16 +70,38 @@ def _padded_and_packed(arch: str, samples, rope: bool = True):
 
 
 @pytest.mark.parametrize("arch", packing.VERIFIED)
-def test_packed_row_gives_the_padded_loss_and_gradients(arch):
+def test_packed_row_gives_the_padded_loss_and_gradients(arch, monkeypatch):
+    """Under sdpa's block-diagonal mask, and through PACKED_SDPA (each sample's attention on its own),
+    which raylora's packed runs use."""
     model, padded, row = _padded_and_packed(arch, SAMPLES)
     mask = padded["attention_mask"].bool()
     assert row["input_ids"].shape == (1, int(mask.sum())) and "attention_mask" not in row
     assert torch.equal(row["labels"][0], padded["labels"][mask])
+    assert row["cu_seq_lens_q"].tolist() == [0, *mask.sum(-1).cumsum(0).tolist()]
     loss, grads = _loss_and_grads(model, padded)
     packed_loss, packed_grads = _loss_and_grads(model, row)
     assert float(loss) > 0 and float(grads.abs().max()) > 0
     assert _relative(loss, packed_loss) <= TOLERANCE
     assert _relative(grads, packed_grads) <= TOLERANCE
+
+    per_sample = []
+    plain = packing.sdpa_attention_forward
+
+    def counted(module, query, key, value, attention_mask, **kwargs):
+        per_sample.append((query.shape[2], attention_mask is None))
+        return plain(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setattr(packing, "sdpa_attention_forward", counted)
+    packing.use_packed_attention(model)
+    assert model.config.get_text_config()._attn_implementation == packing.PACKED_SDPA
+    sdpa_loss, sdpa_grads = _loss_and_grads(model, row)
+    assert _relative(loss, sdpa_loss) <= TOLERANCE
+    assert _relative(grads, sdpa_grads) <= TOLERANCE
+    # the language model's every layer attended sample by sample, unmasked
+    lengths = mask.sum(-1).tolist()
+    layers = model.config.get_text_config().num_hidden_layers
+    assert [n for n, unmasked in per_sample if unmasked] == lengths * layers, per_sample
+    assert _relative(loss, _loss_and_grads(model, padded)[0]) <= TOLERANCE  # a padded batch: plain sdpa
 
 
 def test_qwen2_vl_packed_positions_are_each_samples_3d_rotary_ids():

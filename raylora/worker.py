@@ -139,7 +139,7 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | Non
             len(data),
             cfg.train.global_batch_size,
             cfg.train.seed,
-            lengths.token_lengths(cfg, processor, data, engine.device) if cfg.train.group_by_length else None,
+            lengths.grouping_keys(cfg, processor, data, engine.device) if cfg.train.group_by_length else None,
         ),
         rank=rank,
         world_size=world,

@@ -207,6 +207,8 @@ def test_grouped_epoch_holds_every_sample_once_in_steps_of_similar_length():
     length, the steps of a group in a shuffled order, and the order a function of (seed, epoch) alone."""
     n, size = 5000, 32
     lengths = _log_normal_lengths(n)
+    skipped = np.random.default_rng(1).random(n) < 0.05  # too long or bad: -1 (lengths.grouping_keys)
+    lengths[skipped] = -1
     plain = GlobalSampler(n, size, seed=7)
     grouped = GlobalSampler(n, size, seed=7, lengths=lengths)
     steps = plain.steps_per_epoch
@@ -216,10 +218,17 @@ def test_grouped_epoch_holds_every_sample_once_in_steps_of_similar_length():
         # every sample the plain epoch trains on, once (drop-last drops the same ones)
         assert sorted(i for b in mine for i in b) == sorted(i for b in theirs for i in b)
         assert all(len(b) == size for b in mine)
-        assert all(list(lengths[b]) == sorted(lengths[b]) for b in mine)  # each rank's share: neighbours
+        usable = [lengths[b][lengths[b] >= 0] for b in mine]
+        assert all(list(u) == sorted(u) for u in usable)  # each rank's share: neighbours in length
+        # skipped samples keep their shuffled places: each group's steps skip as many as without grouping,
+        # not the longest steps all of them
+        for g in range(0, steps, grouped.group_steps):
+            count = [int((lengths[b] < 0).sum()) for b in mine[g : g + grouped.group_steps]]
+            plain_count = [int((lengths[b] < 0).sum()) for b in theirs[g : g + grouped.group_steps]]
+            assert sorted(count) == sorted(plain_count)
 
-        def padding(batches) -> float:  # micro batches of 4, padded to their longest
-            cut = [lengths[b[k : k + 4]] for b in batches for k in range(0, size, 4)]
+        def padding(batches) -> float:  # micro batches of 4, padded to their longest (skipped: 0)
+            cut = [np.maximum(lengths[b[k : k + 4]], 0) for b in batches for k in range(0, size, 4)]
             return 1 - sum(c.sum() for c in cut) / sum(c.max() * len(c) for c in cut)
 
         assert padding(mine) < padding(theirs) / 4, (padding(mine), padding(theirs))
@@ -288,6 +297,14 @@ def test_token_lengths_are_counted_as_a_step_encodes_and_kept_for_restarts(
     )
     with pytest.raises(AssertionError, match="counted again"):
         lengths.token_lengths(smaller, processor, rows, torch.device("cpu"))
+    # for the sampler: what a step skips (the bad row, the rows over data.max_length) is -1
+    limit = sorted(expected)[3]
+    capped = tiny_run_config(
+        model, data, tmp_path, "grouped", "train.group_by_length=true", f"data.max_length={limit}"
+    )
+    keys = lengths.grouping_keys(capped, processor, rows, torch.device("cpu"))
+    assert keys.tolist() == [-1 if n == 0 or n > limit else n for n in expected]
+    assert (keys == -1).sum() >= 2
 
 
 # ------------------------------------------------------------------------------------------ distributed

@@ -27,7 +27,10 @@ class GlobalSampler:
     groups of `group_steps` steps' samples, each group sorted by length and cut into its steps'
     global batches, which then run in a shuffled order: every sample still once an epoch, and each step
     holds samples of similar length, so its micro batches pad little. Within a global batch the samples
-    stay sorted, so each rank's contiguous share, and each micro batch, holds neighbours in length.
+    stay sorted, so each rank's contiguous share, and each micro batch, holds neighbours in length. A
+    negative length marks a sample that its step will skip (too long, or a bad row): it is not sorted
+    but keeps its place in the shuffled order, so skipped samples spread over the steps as without
+    grouping.
     """
 
     num_samples: int
@@ -64,9 +67,13 @@ class GlobalSampler:
         group, within = divmod(pos, self.group_steps)
         first = group * self.group_steps
         steps = min(self.group_steps, self.steps_per_epoch - first)  # an epoch's last group may be short
-        members = order[first * size : (first + steps) * size]
+        members = order[first * size : (first + steps) * size].copy()
+        # A sample its step will skip (a negative length) keeps its shuffled place: sorted, they would
+        # crowd the group's longest steps, and a step of nothing but skipped samples ends the run.
+        keys = self.lengths[members]
+        usable = keys >= 0
         # stable: equal lengths keep the shuffled order, so the order follows from (seed, epoch) alone
-        members = members[np.argsort(self.lengths[members], kind="stable")]
+        members[usable] = members[usable][np.argsort(keys[usable], kind="stable")]
         batch = np.random.default_rng([self.seed, epoch, group]).permutation(steps)[within]
         return members[batch * size : (batch + 1) * size].tolist()
 

@@ -273,8 +273,9 @@ HF_MEGABATCH_STEPS = 8  # the Trainer's LengthGroupedSampler sorts groups of 16 
 def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool = True) -> dict:
     """Useful tokens per second and peak memory per rank of raylora's steps on mix `kind`, padded (in the
     plain order and with train.group_by_length) and packed (at micro_batch_size x max_length tokens per
-    pass: the padded micro batch's worst case, so the same memory bound), and of the Hugging Face Trainer with PEFT and ZeRO-3 on the same model, data,
-    batch and worker count (bench/hf_trainer_steps.py, its group_by_length on), alternating.
+    pass: the padded micro batch's worst case, so the same memory bound), and of the Hugging Face Trainer
+    with PEFT and ZeRO-3 on the same model, data, batch and worker count (bench/hf_trainer_steps.py, its
+    group_by_length on), alternating.
 
     The Trainer's length-grouped sampler orders each group of 8 steps longest first, so the timed window
     (`steps` after `warmup`) should span whole groups: the defaults time steps 8 to 23 of each run.

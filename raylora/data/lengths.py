@@ -19,7 +19,6 @@ import posixpath
 import time
 
 import numpy as np
-import pyarrow.fs
 import torch
 import torch.distributed as dist
 from jinja2 import TemplateError
@@ -81,9 +80,7 @@ def _keep(cfg: Config, key: dict, lengths: np.ndarray) -> None:
     # written whole and then moved into place: a reader never sees half a file
     with fs.open_output_stream(path + ".partial") as f:
         f.write(json.dumps({"key": key, "lengths": lengths.tolist()}).encode())
-    if fs.get_file_info(path).type != pyarrow.fs.FileType.NotFound:
-        fs.delete_file(path)
-    fs.move(path + ".partial", path)
+    fs.move(path + ".partial", path)  # replaces counts kept for other data
 
 
 def token_lengths(cfg: Config, processor, rows: Rows, device: torch.device) -> np.ndarray:

@@ -71,3 +71,27 @@ def ray_cluster():
 
     init_ray(num_cpus=4)
     return ray
+
+
+@pytest.fixture(scope="session")
+def straight_runs(tiny_models, digits, tmp_path_factory):
+    """Uninterrupted runs of `tests.support.tiny_run_config` on the digits, by (architecture, overrides),
+    each trained once per session: a distributed run costs about 30 s here, and modules whose faulted
+    runs compare against the same uninterrupted one share it. Call it with a Ray up (`ray_cluster`);
+    the results' checkpoints stay on local disk, read-only to their users."""
+    from raylora.driver import run
+    from tests.support import tiny_run_config
+
+    storage = tmp_path_factory.mktemp("straight-runs")
+    results: dict[tuple[str, tuple[str, ...]], object] = {}
+
+    def get(arch: str, *overrides: str):
+        key = (arch, overrides)
+        if key not in results:
+            name = f"straight-{len(results)}"
+            result = run(tiny_run_config(tiny_models(arch), digits[0], storage, name, *overrides))
+            assert result.error is None
+            results[key] = result
+        return results[key]
+
+    return get

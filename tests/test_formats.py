@@ -452,20 +452,25 @@ def test_each_format_resumes_to_the_reference_weights(name, reference, sources, 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_remote_code_model_resumes_bitwise_and_exports(ray_cluster, sources, tiny_models, tmp_path):
+def test_remote_code_model_resumes_bitwise_and_exports(reference, sources, tiny_models, tmp_path):
     """A model folder with its own modeling code (tests/test_remote_code.py; Llava's classes and weights
     under another model type), trained through the remote-code path: killed and resumed, it ends equal to
-    its own uninterrupted run, bit for bit, and exports merged with its modeling file."""
+    the module's uninterrupted Llava run on the same rows, bit for bit (the same model under another name:
+    one reference serves both, and proves the remote-code path trains exactly as the native one), and
+    exports merged with its modeling file."""
     from transformers import AutoModelForImageTextToText
 
     from raylora import cli
-    from tests.support import REMOTE_PARTS, make_remote_code_model, straight_and_killed
+    from raylora.driver import run
+    from tests.support import REMOTE_PARTS, make_remote_code_model, tiny_run_config
 
+    storage, expected = reference
     model = make_remote_code_model(tiny_models("llava"), tmp_path / "remote")
-    straight, killed = straight_and_killed(
-        model, sources["raylora"]["uri"], tmp_path / "runs", KILL_AT, *STEPS, *REMOTE_PARTS
-    )
-    expected, got = _final(straight), _final(killed)
+    overrides = [*STEPS, *REMOTE_PARTS, f"fault.kill_at_steps={KILL_AT}"]
+    killed = run(tiny_run_config(model, sources["raylora"]["uri"], storage, "killed-remote", *overrides))
+    assert killed.error is None
+    got = _final(killed)
+    assert expected.state.restarts == 0
     assert got.state.restarts == 1 and got.state.step == 4 and got.state.arch == "raylora_remote_vlm"
     assert got.weights.keys() == expected.weights.keys()
     for key, value in expected.weights.items():

@@ -27,13 +27,18 @@ from tests.support import tiny_run_config
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
+# The vision tower and aligner on a schedule of their own, as in tests/test_resume.py: the two modules then
+# compare against one uninterrupted run (conftest's `straight_runs`), trained once per session.
+VISION_LR = "train.vision_lr=5e-4"
+
+
 @pytest.fixture(scope="module")
-def straight(ray_cluster, tiny_models, digits, tmp_path_factory):
-    """The uninterrupted reference run: 6 steps on 2 workers, checkpoints at 2, 4, 6."""
-    storage = tmp_path_factory.mktemp("decision")
-    result = run(tiny_run_config(tiny_models("llava"), digits[0], storage, "straight"))
-    assert result.error is None
-    return storage, _final(result)
+def straight(ray_cluster, straight_runs, tmp_path_factory):
+    """The uninterrupted reference run: 6 steps on 2 workers, checkpoints at 2, 4, 6; and a folder for
+    this module's runs."""
+    result = straight_runs("llava", VISION_LR)
+    assert _final(result).state.restarts == 0
+    return tmp_path_factory.mktemp("decision"), _final(result)
 
 
 def test_transient_read_error_on_one_rank_still_restores_the_newest(straight, tiny_models, digits):
@@ -43,6 +48,7 @@ def test_transient_read_error_on_one_rank_still_restores_the_newest(straight, ti
         digits[0],
         storage,
         "read-error",
+        VISION_LR,
         "fault.kill_at_steps=5",  # rank 1 dies after the step-4 checkpoint
         "fault.read_errors=2",  # then rank 1's first two reads of a checkpoint fail
         "fault.read_error_rank=1",

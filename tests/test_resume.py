@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from raylora import checkpoint
 from tests.support import final_checkpoint as _final
-from tests.support import on_workers, restore_probe, straight_and_killed, tiny_run_config
+from tests.support import on_workers, restore_probe, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -27,11 +27,19 @@ VISION_LR = "train.vision_lr=5e-4"  # the vision tower and aligner on a schedule
 # and resumed bit for bit in fp32 in tests/test_batches.py and in bf16 in tests/test_bf16.py, and every
 # other architecture restores exactly in tests/test_architectures.py.
 @pytest.fixture(scope="module", params=["llava"])
-def runs(request, ray_cluster, tiny_models, digits, tmp_path_factory):
+def runs(request, ray_cluster, straight_runs, tiny_models, digits, tmp_path_factory):
+    """The uninterrupted run is the session's (tests/test_restore_decision.py compares against it too);
+    the killed one is this module's."""
+    from raylora.driver import run
+
     arch = request.param
     storage = tmp_path_factory.mktemp(f"runs-{arch}")
     model_dir = tiny_models(arch)
-    straight, killed = straight_and_killed(model_dir, digits[0], storage, KILL_AT, VISION_LR)
+    straight = straight_runs(arch, VISION_LR)
+    killed = run(
+        tiny_run_config(model_dir, digits[0], storage, "killed", VISION_LR, f"fault.kill_at_steps={KILL_AT}")
+    )
+    assert killed.error is None
     return {"arch": arch, "model_dir": model_dir, "straight": straight, "killed": killed, "storage": storage}
 
 

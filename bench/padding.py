@@ -228,9 +228,10 @@ def write_mix(folder: Path, kind: str, rows: int, rng: np.random.Generator) -> s
     return str(path)
 
 
-def step_worker(rank: int, world: int, port: int, cfg, steps: int, out: str) -> None:
-    """One rank of raylora's step without Ray (bench/throughput.py's loop): per step its time and the
-    useful tokens train_step counted; the peak resident memory over the steps."""
+def step_worker(rank: int, world: int, port: int, cfgs: list, steps: int, outs: list[str]) -> None:
+    """One rank of raylora's step without Ray (bench/throughput.py's loop), for each config of `cfgs` in
+    turn (one, but for --tiny: starting the processes costs more than its steps): per step its time and
+    the useful tokens train_step counted; the peak resident memory over the steps."""
     import torch
     import torch.distributed as dist
 
@@ -238,6 +239,14 @@ def step_worker(rank: int, world: int, port: int, cfg, steps: int, out: str) -> 
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)  # as a Ray worker holding 1 CPU
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    for cfg, out in zip(cfgs, outs, strict=True):
+        _steps(rank, world, cfg, steps, out)
+    dist.destroy_process_group()
+
+
+def _steps(rank: int, world: int, cfg, steps: int, out: str) -> None:
+    import torch.distributed as dist
+
     from raylora import worker
 
     s = worker.setup(cfg, None)
@@ -264,7 +273,6 @@ def step_worker(rank: int, world: int, port: int, cfg, steps: int, out: str) -> 
         counts = [sum(c[0] for c in counts), sum(c[1] for c in counts)]
         Path(out).write_text(json.dumps({"steps": rows, "peak_rss_bytes": peaks, "positions": counts}))
     dist.barrier()
-    dist.destroy_process_group()
 
 
 HF_MEGABATCH_STEPS = 8  # the Trainer's LengthGroupedSampler sorts groups of 16 x 8 samples: 8 steps of 16
@@ -287,7 +295,8 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
 
     work = Path(args.work) / "padding"
     arch = "llava" if kind == "llava_instruct" else "qwen2_vl"
-    model = common.tiny_model(args.work, MEASURE_WIDTH, MEASURE_LAYERS, arch)
+    width = 64 if args.tiny else MEASURE_WIDTH
+    model = common.tiny_model(args.work, width, MEASURE_LAYERS, arch)
     data = write_mix(work / kind, kind, 512, np.random.default_rng(SEED))
     micro, max_length = 4, 384
     max_pixels = 4096 if arch == "qwen2_vl" else None  # Llava resizes every image to one size
@@ -304,16 +313,30 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
     if with_hf:
         samples["hf_trainer"], peaks["hf_trainer"] = [], []
     for rep in range(reps):
-        for mode, extra in modes.items():
-            cfg = tiny_run_config(
-                model, data, work / "runs", f"{kind}-{mode}-{rep}", "data.workers=0",
-                f"train.max_steps={steps}", "train.global_batch_size=16", f"train.micro_batch_size={micro}",
-                f"data.max_length={max_length}", *([f"data.max_pixels={max_pixels}"] if max_pixels else []),
+        cfgs = {
+            mode: tiny_run_config(
+                model,
+                data,
+                work / "runs",
+                f"{kind}-{mode}-{rep}",
+                "data.workers=0",
+                f"train.max_steps={steps}",
+                "train.global_batch_size=16",
+                f"train.micro_batch_size={micro}",
+                f"data.max_length={max_length}",
+                *([f"data.max_pixels={max_pixels}"] if max_pixels else []),
                 *extra,
             )  # fmt: skip
-            out = work / f"{kind}-{mode}-{rep}.json"
-            mp.spawn(step_worker, args=(2, common.free_port(), cfg, steps, str(out)), nprocs=2)
-            got = json.loads(out.read_text())
+            for mode, extra in modes.items()
+        }
+        outs = {mode: str(work / f"{kind}-{mode}-{rep}.json") for mode in modes}
+        # each mode in processes of its own (their peak memory is the mode's); --tiny, all in one pair
+        groups = [list(modes)] if args.tiny else [[mode] for mode in modes]
+        for group in groups:
+            configs, files = [cfgs[m] for m in group], [outs[m] for m in group]
+            mp.spawn(step_worker, args=(2, common.free_port(), configs, steps, files), nprocs=2)
+        for mode in modes:
+            got = json.loads(Path(outs[mode]).read_text())
             timed = got["steps"][warmup:]
             samples[mode].append(sum(r["tokens"] for r in timed) / sum(r["seconds"] for r in timed))
             peaks[mode].append(max(got["peak_rss_bytes"]))
@@ -326,7 +349,7 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
             shares["hf_trainer"] = hf["padding_share"]
     med = {m: common.median(v) for m, v in samples.items()}
     result = {
-        "model": f"tiny {arch} width {MEASURE_WIDTH}, {MEASURE_LAYERS}+{MEASURE_LAYERS} layers",
+        "model": f"tiny {arch} width {width}, {MEASURE_LAYERS}+{MEASURE_LAYERS} layers",
         "setup": {
             "micro_batch_size": micro,
             "max_length": max_length,

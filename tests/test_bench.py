@@ -37,7 +37,7 @@ def smoke(tmp_path_factory):
     out, work = tmp_path_factory.mktemp("bench-results"), tmp_path_factory.mktemp("bench-work")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "smoke.py"), "--out", str(out), "--work", str(work)]
-        + ["on_paper", *RAY_SCRIPTS],
+        + ["on_paper", "padding", *RAY_SCRIPTS],
         cwd=ROOT,
         env={**os.environ, **RAY_TEST_ENV},
         capture_output=True,
@@ -105,3 +105,20 @@ def test_on_paper_runs_tiny(smoke):
     shipped, no_checkpointing = scenarios["shipped"], scenarios["gradient_checkpointing off"]
     assert shipped["gradient_checkpointing"] and shipped["fits"]["80 GB"]
     assert no_checkpointing["activations_gb"] > 10 * shipped["activations_gb"]
+
+
+@pytest.mark.slow
+def test_padding_runs_tiny(smoke):
+    """bench/padding.py: the 7B configs' padding on paper (sorting, grouping by length and packing each
+    pad less than the plain cut), and real steps padded, grouped and packed on both mixes."""
+    result = _result(smoke, "padding")
+    for kind, mix in result["mixes"].items():
+        cut = {k: mix[k]["padding_fraction"]["median"] for k in ("as_cut_today", "grouped_by_length")}
+        assert cut["grouped_by_length"] < cut["as_cut_today"], (kind, cut)
+        assert mix["sorted_within_rank"]["padding_fraction"]["median"] < cut["as_cut_today"], kind
+        assert mix["packed"]["padding_fraction"]["median"] < cut["as_cut_today"], kind
+    for kind, measured in result["measured"].items():
+        assert set(measured["useful_tokens_per_s"]) == {"padded", "padded_grouped", "packed"}, kind
+        assert all(v["median"] > 0 for v in measured["useful_tokens_per_s"].values()), kind
+        share = measured["padding_share"]
+        assert share["packed"] == 0 < share["padded_grouped"] < share["padded"], (kind, share)

@@ -95,9 +95,11 @@ def padding(lengths: np.ndarray, cfg, stand_in: int, sort: bool, steps: int, gro
     train.group_by_length's sample order)."""
     workers = cfg.scaling.num_workers
     world = workers if isinstance(workers, int) else max(workers)
-    sampler = GlobalSampler(len(lengths), cfg.train.global_batch_size, SEED, lengths if grouped else None)
     micro = cfg.train.micro_batch_size
     limit = cfg.data.max_length or np.inf
+    # train.group_by_length's keys (raylora.data.lengths.grouping_keys): what a step skips is -1
+    keys = np.where(lengths > limit, -1, lengths) if grouped else None
+    sampler = GlobalSampler(len(lengths), cfg.train.global_batch_size, SEED, keys)
     fractions, skipped, computed, squares = [], 0, [], []
     for step in range(steps):
         useful = positions = square = 0

@@ -95,3 +95,15 @@ def straight_runs(tiny_models, digits, tmp_path_factory):
         return results[key]
 
     return get
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo process group of one rank in this process (collectives without Ray); destroyed after."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

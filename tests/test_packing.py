@@ -257,18 +257,6 @@ def test_grouped_order_is_refused_on_resume_when_the_setting_changed():
         resume.check_sampler({**before, "group_by_length": True}, {**before, "group_by_length": False}, "c")
 
 
-@pytest.fixture
-def one_rank():
-    """A gloo process group of one rank in this process; destroyed after the test."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_token_lengths_are_counted_as_a_step_encodes_and_kept_for_restarts(
     one_rank, tiny_models, tmp_path, monkeypatch
 ):

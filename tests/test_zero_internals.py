@@ -18,7 +18,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from raylora import checkpoint, config, zero
 from tests.support import on_workers, read_params, tiny_run_config
@@ -165,16 +164,6 @@ def test_gather_messages_are_a_byte_budget_whatever_the_world_size(world):
     per_message = world * zero.GATHER_ROWS * 4 * chunk  # what rank 0 receives: every rank's 3 fp32 rows
     assert zero.GATHER_ROWS == 3 and chunk > 0
     assert zero.GATHER_BYTES - world * zero.GATHER_ROWS * 4 < per_message <= zero.GATHER_BYTES
-
-
-@pytest.fixture
-def one_rank():
-    """A gloo process group of one rank in this process, for `dist.gather`; destroyed after the test."""
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_stream_in_chunks_that_cut_through_parameters(one_rank, monkeypatch):

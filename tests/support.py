@@ -208,13 +208,6 @@ def tiny_run_config(
     )
 
 
-# The uninterrupted run that other worker counts (tests/test_faults.py) and a lost node
-# (tests/test_multinode.py) compare against, trained once per session by conftest's `straight_runs`:
-# dropout off (its noise is drawn per rank), an elastic [1, 2] group that a Ray with room for 2 runs on 2.
-ELASTIC_STEPS = 10
-ELASTIC_REFERENCE = (f"train.max_steps={ELASTIC_STEPS}", "lora.dropout=0.0", "scaling.num_workers=[1,2]")
-
-
 def straight_and_killed(model_dir, data, storage, kill_at: int, *overrides: str) -> tuple[Any, Any]:
     """Two runs of `tiny_run_config`: uninterrupted (`straight`) and with the fault drill's rank killing
     itself before step `kill_at` (`killed`), each with `overrides`; both must succeed."""

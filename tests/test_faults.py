@@ -21,12 +21,12 @@ from raylora.config import ConfigError
 from raylora.driver import run
 from raylora.failures import PermanentError
 from raylora.progress import read_metrics
-from tests.support import ELASTIC_REFERENCE, ELASTIC_STEPS, assert_weights_close, tiny_run_config
+from tests.support import assert_weights_close, tiny_run_config
 from tests.support import final_checkpoint as _final
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-STEPS = ELASTIC_STEPS  # 10
+STEPS = 10
 
 
 def _checkpoints(run_dir: Path) -> list[Path]:
@@ -144,13 +144,13 @@ def test_many_faults_in_one_run_end_bitwise_equal(straight, tiny_models, digits)
         assert torch.equal(value, final.moments[name]), name
 
 
-def test_other_worker_counts_2_1_3(straight, straight_runs, tiny_models, digits):
+def test_other_worker_counts_2_1_3(straight, tiny_models, digits):
     storage, _ = straight
     base = [f"train.max_steps={STEPS}", "lora.dropout=0.0", "run.max_failures=0", "fault.kill_rank=0"]
     model, data = tiny_models("llava"), digits[0]
     # the reference is also the elastic case: a [1, 2] range on a Ray with room for 2 runs on 2 throughout
-    # (the session's: tests/test_multinode.py's lost node compares against it too)
-    reference = straight_runs("llava", *ELASTIC_REFERENCE)
+    reference = run(tiny_run_config(model, data, storage, "elastic-ref", *base, "scaling.num_workers=[1,2]"))
+    assert reference.error is None
     assert [m["world_size"] for m in reference.return_value] == [2] * STEPS
     assert _final(reference).state.world_size == 2
     # 2 workers until step 4 (the drill then fails the run), 1 worker until step 8, 3 workers to the end:

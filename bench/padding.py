@@ -100,9 +100,10 @@ def padding(lengths: np.ndarray, cfg, stand_in: int, sort: bool, steps: int, gro
     # train.group_by_length's keys (raylora.data.lengths.grouping_keys): what a step skips is -1
     keys = np.where(lengths > limit, -1, lengths) if grouped else None
     sampler = GlobalSampler(len(lengths), cfg.train.global_batch_size, SEED, keys)
-    fractions, skipped, computed, squares = [], 0, [], []
+    fractions, skipped, computed, squares, paced = [], 0, [], [], []
     for step in range(steps):
         useful = positions = square = 0
+        passes = []  # per rank, each pass's positions
         for rank in range(world):
             batches = sampler.micro_batches(step, rank, world, micro)
             if sort:  # the same samples, ordered by length before they are cut
@@ -110,6 +111,7 @@ def padding(lengths: np.ndarray, cfg, stand_in: int, sort: bool, steps: int, gro
                 batches = [share[k : k + micro] for k in range(0, len(share), micro)] + [
                     [None] for b in batches if b == [None]
                 ]
+            passes.append([])
             for batch in batches:
                 kept = [int(lengths[i]) if i is not None and lengths[i] <= limit else stand_in for i in batch]
                 skipped += sum(i is not None and lengths[i] > limit for i in batch)
@@ -117,10 +119,13 @@ def padding(lengths: np.ndarray, cfg, stand_in: int, sort: bool, steps: int, gro
                     k for k, i in zip(kept, batch, strict=True) if i is not None and lengths[i] <= limit
                 )
                 positions += max(kept) * len(batch)
+                passes[-1].append(max(kept) * len(batch))
                 square += max(kept) ** 2 * len(batch)  # attention covers each padded row whole
         fractions.append(1 - useful / positions)
         computed.append(positions)
         squares.append(square)
+        # under ZeRO-3 the ranks run each pass together, at the pace of the one with the most positions
+        paced.append(world * sum(max(k) for k in zip(*passes, strict=True)) / positions)
     return {
         "padding_fraction": common.summary(fractions),
         "speedup_bound": 1 / (1 - common.median(fractions)),
@@ -130,6 +135,9 @@ def padding(lengths: np.ndarray, cfg, stand_in: int, sort: bool, steps: int, gro
         # attention's work, for bench/on_paper.py)
         "positions_per_step": common.median(computed),
         "attention_squares_per_step": common.median(squares),
+        # world x the largest rank's positions, summed over the passes, over the positions: the lockstep's
+        # cost where ranks differ (1 when every rank's k-th pass is as long)
+        "lockstep_over_positions": common.median(paced),
     }
 
 

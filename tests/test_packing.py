@@ -241,9 +241,22 @@ def test_grouped_epoch_holds_every_sample_once_in_steps_of_similar_length():
     assert grouped.global_batch(5) == GlobalSampler(n, size, 7, lengths=lengths.copy()).global_batch(5)
     assert grouped.global_batch(5) != GlobalSampler(n, size, 8, lengths=lengths).global_batch(5)
     assert grouped.global_batch(3) != grouped.global_batch(steps + 3)  # each epoch its own order
-    for world in (1, 3, 4):  # the global batch is the same whatever the number of workers
-        shares = [i for r in range(world) for mb in grouped.micro_batches(4, r, world, 2) for i in mb]
-        assert [i for i in shares if i is not None] == grouped.global_batch(4)
+    for world, micro in ((1, 2), (2, 4), (3, 2), (4, 3)):  # the same global batch on any number of workers
+        mine = [grouped.micro_batches(4, r, world, micro) for r in range(world)]
+        assert [sum(i is not None for mb in m for i in mb) for m in mine] == grouped.shares(world)
+        assert len({len(m) for m in mine}) == 1  # every rank runs as many passes
+        # dealt pass by pass: the k-th micro batches of all ranks hold the next samples in length order
+        dealt = [i for k in range(len(mine[0])) for m in mine for i in m[k] if i is not None]
+        assert dealt == grouped.global_batch(4)
+
+    def lockstep(cut) -> int:  # ZeRO-3 runs each pass at the pace of its slowest rank
+        return sum(max(max(lengths[i] for i in m[k]) for m in cut) for k in range(len(cut[0])))
+
+    step = next(k for k in range(steps) if (lengths[grouped.global_batch(k)] >= 0).all())
+    batch = grouped.global_batch(step)
+    contiguous = [[batch[r * 16 + k : r * 16 + k + 4] for k in range(0, 16, 4)] for r in range(2)]
+    dealt = [grouped.micro_batches(step, r, 2, 4) for r in range(2)]
+    assert lockstep(dealt) < lockstep(contiguous), (lockstep(dealt), lockstep(contiguous))
 
 
 def test_grouped_order_is_refused_on_resume_when_the_setting_changed():

@@ -27,7 +27,8 @@ class GlobalSampler:
     groups of `group_steps` steps' samples, each group sorted by length and cut into its steps'
     global batches, which then run in a shuffled order: every sample still once an epoch, and each step
     holds samples of similar length, so its micro batches pad little. Within a global batch the samples
-    stay sorted, so each rank's contiguous share, and each micro batch, holds neighbours in length. A
+    stay sorted and are dealt to the ranks pass by pass (`micro_batches`): each micro batch holds
+    neighbours in length, and the ranks' k-th micro batches are alike. A
     negative length marks a sample that its step will skip (too long, or a bad row): it is not sorted
     but keeps its place in the shuffled order, so skipped samples spread over the steps as without
     grouping.
@@ -86,15 +87,32 @@ class GlobalSampler:
     def micro_batches(
         self, step: int, rank: int, world_size: int, micro_batch_size: int
     ) -> list[list[int | None]]:
-        """This rank's contiguous share of the global batch, cut into micro batches.
+        """This rank's share of the global batch, cut into micro batches.
 
         Every rank gets as many micro batches as the largest share needs (`Config.grad_accum_steps`):
         under ZeRO-3 all ranks run each forward and backward pass together. A rank one sample short of
         that ends with `[None]`: a slot for a label-less stand-in, which trains on nothing.
+
+        In the plain order a rank's share is a contiguous slice of the global batch. A length-sorted
+        global batch (train.group_by_length) is dealt pass by pass instead: the k-th micro batches of all
+        ranks take the next samples in length order, rank after rank. Each pass then computes alike on
+        every rank; contiguous shares would give the last rank the longest samples of every pass, and
+        under ZeRO-3 each pass waits for the slowest rank (its all-gathers and reduce-scatters are
+        collectives).
         """
         shares = self.shares(world_size)
-        start = sum(shares[:rank])
-        mine: list[int | None] = self.global_batch(step)[start : start + shares[rank]]
-        micro = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
         count = -(-shares[0] // micro_batch_size)
+        batch: list[int | None] = self.global_batch(step)
+        if self.lengths is None:
+            start = sum(shares[:rank])
+            mine = batch[start : start + shares[rank]]
+            micro = [mine[i : i + micro_batch_size] for i in range(0, len(mine), micro_batch_size)]
+        else:
+            micro, start = [], 0
+            for k in range(count):  # pass k: each rank's k-th micro batch, in rank order
+                sizes = [min(micro_batch_size, max(0, share - k * micro_batch_size)) for share in shares]
+                if sizes[rank]:
+                    first = start + sum(sizes[:rank])
+                    micro.append(batch[first : first + sizes[rank]])
+                start += sum(sizes)
         return micro + [[None] for _ in range(count - len(micro))]

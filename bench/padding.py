@@ -382,6 +382,10 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
         result["padded_over_hf_trainer"] = med["padded"] / med["hf_trainer"]
         result["padded_grouped_over_hf_trainer"] = med["padded_grouped"] / med["hf_trainer"]
         result["packed_over_hf_trainer"] = med["packed"] / med["hf_trainer"]
+        for mode in ("padded_grouped", "packed"):  # each repeat's pair (the Trainer ran right after)
+            result[f"{mode}_over_hf_trainer_per_pair"] = [
+                k / d for k, d in zip(samples[mode], samples["hf_trainer"], strict=True)
+            ]
     return result
 
 

@@ -89,6 +89,16 @@ def token_lengths(processor, data: str) -> list[tuple[int, int]]:
     return out
 
 
+def trainer_rows(counted: list[tuple[int, int]]) -> list[int]:
+    """The rows the Trainer trains on, of `token_lengths`' counts: those up to MAX_LENGTH tokens (filtered
+    beforehand, as the HF docs do) with an image. Rows without one are left out: under ZeRO-3 a rank whose
+    micro batch has no image skips the vision tower's forward, and with it the all-gathers of its
+    parameters that the other ranks wait in (seen here: both ranks blocked for good at a step of the
+    LLaVA-like mix, 7% of whose rows are text only). raylora adds a label-less stand-in image row to such
+    a micro batch instead."""
+    return [i for i, (n, images) in enumerate(counted) if n <= MAX_LENGTH and images > 0]
+
+
 def _worker(rank: int, port: int, job: dict) -> None:
     """One rank: the Trainer run, its step clock and peak memory written to job["out"]-RANK.json."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
@@ -213,11 +223,7 @@ def hf_trainer_run(
     work.mkdir(parents=True, exist_ok=True)
     counted = token_lengths(load_processor(model_dir, max_pixels), data)
     lengths = [n for n, _ in counted]
-    # Rows without an image are left out: under ZeRO-3 a rank whose micro batch has no image skips the
-    # vision tower's forward, and with it the all-gathers of its parameters that the other ranks wait in
-    # (seen here: both ranks blocked for good at a step of the LLaVA-like mix, 7% of whose rows are text
-    # only). raylora adds a label-less stand-in image row to such a micro batch instead.
-    kept = [i for i, (n, images) in enumerate(counted) if n <= MAX_LENGTH and images > 0]
+    kept = trainer_rows(counted)
     out = work / f"hf-{arch}-{'grouped' if group_by_length else 'random'}"
     job = {
         "model_dir": model_dir,

@@ -210,6 +210,7 @@ def hf_trainer_run(
     warmup: int,
     group_by_length: bool,
     max_pixels: int | None,
+    counted: list[tuple[int, int]] | None = None,
 ) -> dict:
     """Useful tokens per second of `steps` Trainer steps after `warmup` (2 CPU processes, ZeRO-3), the
     largest peak resident memory of a rank, the padding share of the timed steps' positions, the rows
@@ -221,7 +222,8 @@ def hf_trainer_run(
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
-    counted = token_lengths(load_processor(model_dir, max_pixels), data)
+    if counted is None:  # `token_lengths` of `data`, when the caller has them already
+        counted = token_lengths(load_processor(model_dir, max_pixels), data)
     lengths = [n for n, _ in counted]
     kept = trainer_rows(counted)
     out = work / f"hf-{arch}-{'grouped' if group_by_length else 'random'}"

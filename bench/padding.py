@@ -319,6 +319,7 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
         "packed": ["train.packing=true", f"train.max_tokens_per_micro_batch={micro * max_length}"],
     }
     inputs = {mode: data for mode in modes}
+    counted = None
     if with_hf:
         # The Trainer trains only on rows up to max_length with an image (`trainer_rows`); raylora's steps
         # carry the rest as stand-ins (too long) and short text-only passes. So raylora is also measured
@@ -327,7 +328,8 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
 
         from raylora.data.processor import load_processor
 
-        kept = trainer_rows(token_lengths(load_processor(model, max_pixels), data))
+        counted = token_lengths(load_processor(model, max_pixels), data)  # the Trainer's runs reuse them
+        kept = trainer_rows(counted)
         lines = Path(data).read_text().splitlines()
         inputs["padded_grouped_trainer_rows"] = str(Path(data).with_name("trainer_rows.jsonl"))
         Path(inputs["padded_grouped_trainer_rows"]).write_text("".join(lines[i] + "\n" for i in kept))
@@ -368,7 +370,7 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
             useful, positions = got["positions"]
             shares[mode] = 1 - useful / positions  # the same every repeat: the steps' samples are fixed
         if with_hf:
-            hf = hf_trainer_run(model, data, work / "hf", arch, steps, warmup, True, max_pixels)
+            hf = hf_trainer_run(model, data, work / "hf", arch, steps, warmup, True, max_pixels, counted)
             samples["hf_trainer"].append(hf["useful_tokens_per_s"])
             peaks["hf_trainer"].append(hf["peak_rss_bytes"])
             shares["hf_trainer"] = hf["padding_share"]

@@ -14,6 +14,8 @@ import ray
 import ray.train
 from ray.exceptions import RayActorError, RayError
 from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raylora import hub, storage
@@ -245,11 +247,33 @@ def metric_callbacks(cfg: Config) -> list:
     return callbacks
 
 
+class Trainer(TorchTrainer):
+    """Ray Train's TorchTrainer less the helper actors that serve nothing in a raylora run.
+
+    Ray Train 2.60 starts, beside the controller and the workers, a DatasetManager at every worker-group
+    start (for Ray Datasets handed to the trainer: raylora reads its own rows and hands none) and, per
+    run, a detached placement-group cleaner that removes the workers' placement group should the
+    controller die without doing so. The cleaner matters on a cluster that outlives the driver; a Ray
+    that raylora started itself (`init_ray` without RAY_ADDRESS) ends with its driver, placement groups
+    and all. Each helper is a Python process of its own, about 2 s of CPU to start on this 2-core
+    machine, where the starting workers fill both cores: every start and every restart after a fault
+    waits for it. Ray has no setting for either, so this drops them from the list of default callbacks
+    that Ray builds (`_create_default_callbacks`, Ray pinned to 2.60; tests/test_driver_actors.py
+    fails if a Ray upgrade moves them).
+    """
+
+    def _create_default_callbacks(self):
+        unneeded: tuple[type, ...] = () if self.datasets else (DatasetsCallback,)
+        if started_here():
+            unneeded += (PlacementGroupCleanerCallback,)
+        return [cb for cb in super()._create_default_callbacks() if not isinstance(cb, unneeded)]
+
+
 def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
     """A TorchTrainer whose run resumes from its latest checkpoint when one with this name exists.
 
     `cfg` crosses to the workers as it is: `config.load` already made its local paths absolute."""
-    return TorchTrainer(
+    return Trainer(
         lambda: train_loop_per_worker(cfg),
         scaling_config=ray.train.ScalingConfig(
             num_workers=tuple(n) if isinstance(n := cfg.scaling.num_workers, list) else n,
@@ -275,17 +299,22 @@ def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
 # worker's report blocks until the previous one is taken, so per-step reports would cap training at
 # one step per poll. Polling every 0.1 s costs nothing measurable on the small clusters this is for.
 RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
-# A Ray that raylora starts itself is one node, this machine: no cloud provider drains it, so Ray Train's
-# preemption watcher (an actor started with every worker group, polling for drains) has nothing to
-# watch, and nobody scrapes its metrics (the workers' and agents' export loop). Both cost CPU that the
-# workers fill on a small machine (bench/throughput.py). The dashboard stays: Ray Train's placement-group
-# cleaner asks its state API whether the controller is alive, and fails every poll without it.
-LOCAL_RAY_ENV = {**RAY_ENV, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+# A Ray that raylora starts itself is one node, this machine, and ends with its driver: no cloud
+# provider drains it, so Ray Train's preemption watcher (an actor started with every worker group,
+# polling for drains) has nothing to watch; nobody scrapes its metrics (the workers' and agents' export
+# loop) or opens its dashboard (a dozen processes), and no placement group outlives it (`Trainer`
+# leaves out the cleaner, whose polls were the dashboard's one user). All of them cost CPU that the
+# workers fill on a small machine (bench/throughput.py). The mark tells a Tune trial's driver, which runs
+# in a Ray worker process, that its Ray is one of these.
+LOCAL_RAY_MARK = "RAYLORA_STARTED_THIS_RAY"
+LOCAL_RAY_ENV = {**RAY_ENV, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", LOCAL_RAY_MARK: "1"}
 LOCAL_RAY_SYSTEM_CONFIG = {"enable_metrics_collection": False}
+_started_session: str | None = None  # the session of the Ray that init_ray started in this process
 
 
 def init_ray(num_cpus: int | None = None) -> None:
     """Connect to the cluster in RAY_ADDRESS, or start a local one."""
+    global _started_session
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS")
@@ -296,9 +325,19 @@ def init_ray(num_cpus: int | None = None) -> None:
         ray.init(
             address="local",
             num_cpus=num_cpus,
+            include_dashboard=False,
             runtime_env={"env_vars": LOCAL_RAY_ENV},
             _system_config=LOCAL_RAY_SYSTEM_CONFIG,
         )
+        _started_session = ray.get_runtime_context().get_session_name()
+
+
+def started_here() -> bool:
+    """Whether the Ray this process is connected to is one that raylora's `init_ray` started (in this
+    process, or, seen from one of its workers, by their driver)."""
+    if os.environ.get(LOCAL_RAY_MARK) == "1":
+        return True
+    return ray.is_initialized() and ray.get_runtime_context().get_session_name() == _started_session
 
 
 def run(cfg: Config, callbacks: list | None = None) -> ray.train.Result:

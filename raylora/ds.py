@@ -1,4 +1,4 @@
-"""DeepSpeed, imported the way raylora's workers need it: without MLflow.
+"""DeepSpeed, imported the way raylora's workers need it: without MLflow, and without TorchInductor.
 
 DeepSpeed's autotuner imports MLflow whenever it is installed (`try: import mlflow`), and raylora installs
 it for its MLflow metrics sink. That import is about a second of every worker start, restarts included
@@ -31,5 +31,21 @@ finally:
 SKIPPED_OPS = ("deepspeed_shm_comm",)
 for _name in SKIPPED_OPS:
     deepspeed.ops.__compatible_ops__[_name] = False
+
+# DeepSpeed's ZeRO engines import its Muon optimizer at every start (stage 3 asks `isinstance(optimizer,
+# MuonWithAuxAdam)`), and that module decorates three kernels with `torch.compile`, which imports
+# TorchInductor to build each decorator: 2.7 s of CPU at every worker start, restarts included (cProfile
+# of `worker.setup` on one rank: 4.5 s with it, 1.8 s without), for an optimizer raylora never runs (its
+# DeepSpeed config asks for AdamW). So the module is imported here first while DeepSpeed's own compile
+# hook (`deepspeed.runtime.compiler.compile`) hands functions back as they are: the class exists for
+# DeepSpeed's checks, its kernels stay eager, and torch.compile itself is left alone.
+from deepspeed.runtime import compiler as _compiler  # noqa: E402
+
+_compile = _compiler.compile
+_compiler.compile = lambda: _compiler.dummy_decorator
+try:
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402, F401
+finally:
+    _compiler.compile = _compile
 
 __all__ = ["SKIPPED_OPS", "ZeroParamStatus", "deepspeed"]

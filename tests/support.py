@@ -227,11 +227,11 @@ def on_workers(
     """Run `fn()` on `num_workers` Ray Train workers (gloo on CPU, NCCL with `use_gpu`, as raylora
     trains); returns rank 0's return value."""
     import ray.train
-    from ray.train.torch import TorchTrainer
 
     from raylora import storage as storages
+    from raylora.driver import Trainer  # Ray's TorchTrainer less the helper actors raylora does not use
 
-    trainer = TorchTrainer(
+    trainer = Trainer(
         fn,
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
         # a URI (s3://) as it is: pathlib would fold its "//" into a local folder named "s3:"

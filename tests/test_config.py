@@ -137,6 +137,32 @@ def test_make_trainer_leaves_the_config_as_it_is(tmp_path, monkeypatch):
         assert c.to_dict() == before
 
 
+def test_trainer_leaves_out_the_helper_actors_a_raylora_run_does_not_use(tmp_path, monkeypatch):
+    """No Ray Datasets, so no DatasetManager actor at each worker-group start; the placement-group
+    cleaner only where the Ray may outlive the driver (not one that raylora's init_ray started).
+    Fails if a Ray upgrade renames or moves either callback."""
+    from ray.train.v2._internal.callbacks.backend_setup import BackendSetupCallback
+    from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    from raylora.driver import LOCAL_RAY_MARK, make_trainer
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    cfg = config.load(None, ["model.path=model", "data.train=t.parquet"])
+    monkeypatch.delenv(LOCAL_RAY_MARK, raising=False)
+
+    def kinds() -> set[type]:
+        return {type(cb) for cb in make_trainer(cfg)._create_default_callbacks()}
+
+    on_a_cluster = kinds()
+    assert BackendSetupCallback in on_a_cluster  # Ray's own list, less what raylora leaves out
+    assert DatasetsCallback not in on_a_cluster
+    assert PlacementGroupCleanerCallback in on_a_cluster
+    monkeypatch.setenv(LOCAL_RAY_MARK, "1")  # as a Tune trial's driver on raylora's own Ray sees it
+    assert kinds() == on_a_cluster - {PlacementGroupCleanerCallback}
+
+
 def test_data_formats_named_in_config_are_the_readers():
     from raylora.config import DATA_FORMATS
     from raylora.data import formats

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 import torch
@@ -230,6 +231,37 @@ def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_still_imports_afte
         "assert mlflow.__version__\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_zero3_engine_starts_without_importing_torchinductor():
+    """raylora.ds imports DeepSpeed's Muon module with DeepSpeed's compile hook handing functions back:
+    a ZeRO-3 engine's start (which imports that module) no longer imports TorchInductor's compiler
+    (2.7 s of every worker start), Muon's class is DeepSpeed's, and torch.compile is untouched."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys, torch, torch.distributed as dist\n"
+        "from raylora.ds import deepspeed\n"
+        "from deepspeed.runtime import compiler\n"
+        "from deepspeed.runtime.zero.muon import original_muon\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[1], RANK='0', WORLD_SIZE='1',"
+        " LOCAL_RANK='0')\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "deepspeed.init_distributed(dist_backend='gloo')\n"
+        "config = {'train_micro_batch_size_per_gpu': 1, 'zero_optimization': {'stage': 3},\n"
+        "          'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3, 'torch_adam': True}}}\n"
+        "engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config=config)\n"
+        "assert type(engine.optimizer).__name__ == 'DeepSpeedZeroOptimizer_Stage3'\n"
+        "assert 'torch._inductor.compile_fx' not in sys.modules, 'TorchInductor was imported'\n"
+        "assert type(original_muon.zeropower_via_newtonschulz5).__name__ == 'function'  # eager\n"
+        "assert compiler.compile() is torch.compile\n"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    proc = subprocess.run([sys.executable, "-c", code, port], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

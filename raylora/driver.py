@@ -253,13 +253,14 @@ class Trainer(TorchTrainer):
     Ray Train 2.60 starts, beside the controller and the workers, a DatasetManager at every worker-group
     start (for Ray Datasets handed to the trainer: raylora reads its own rows and hands none) and, per
     run, a detached placement-group cleaner that removes the workers' placement group should the
-    controller die without doing so. The cleaner matters on a cluster that outlives the driver; a Ray
-    that raylora started itself (`init_ray` without RAY_ADDRESS) ends with its driver, placement groups
-    and all. Each helper is a Python process of its own, about 2 s of CPU to start on this 2-core
-    machine, where the starting workers fill both cores: every start and every restart after a fault
-    waits for it. Ray has no setting for either, so this drops them from the list of default callbacks
-    that Ray builds (`_create_default_callbacks`, Ray pinned to 2.60; tests/test_driver_actors.py
-    fails if a Ray upgrade moves them).
+    controller die without doing so (a second guard: Ray itself deletes a placement group once its
+    creator, the controller, is dead, `ray.util.placement_group`'s default lifetime). The cleaner is
+    kept on a cluster that outlives the driver; a Ray that raylora started itself (`init_ray` without
+    RAY_ADDRESS) ends with its driver, placement groups and all. Each helper is a Python process of
+    its own, about 2 s of CPU to start on this 2-core machine, where the starting workers fill both
+    cores: every start and every restart after a fault waits for it. Ray has no setting for either, so
+    this drops them from the list of default callbacks that Ray builds (`_create_default_callbacks`,
+    Ray pinned to 2.60; tests/test_config.py and tests/test_faults.py fail if an upgrade moves them).
     """
 
     def _create_default_callbacks(self):

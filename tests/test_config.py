@@ -145,12 +145,15 @@ def test_trainer_leaves_out_the_helper_actors_a_raylora_run_does_not_use(tmp_pat
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
+    from raylora import driver
     from raylora.driver import LOCAL_RAY_MARK, make_trainer
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model").mkdir()
     cfg = config.load(None, ["model.path=model", "data.train=t.parquet"])
     monkeypatch.delenv(LOCAL_RAY_MARK, raising=False)
+    # as a driver that joined a cluster sees it, whether or not an earlier test started a Ray here
+    monkeypatch.setattr(driver, "_started_session", None)
 
     def kinds() -> set[type]:
         return {type(cb) for cb in make_trainer(cfg)._create_default_callbacks()}

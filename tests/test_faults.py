@@ -71,7 +71,10 @@ def _kill_random_workers(
         while attempts() <= seen and not stop.is_set():
             time.sleep(0.2)
         seen = attempts()
-        time.sleep(rng.uniform(1.0, 4.0))
+        # A moment in the group's first 1.5 s after rank 0 counted its attempt (building the model,
+        # DeepSpeed's start, the restore, the first steps): a later group may have only two steps left
+        # to run, about 2 s on 2 cores, and a kill after the run ended would miss.
+        time.sleep(rng.uniform(0.3, 1.5))
         workers = []
         for _ in range(50):  # the new group's actors may take a moment to be listed
             workers = [
@@ -237,13 +240,14 @@ def test_checkpoints_hold_only_json_and_safetensors(straight):
         assert all(n.endswith((".json", ".safetensors")) for n in names), names
 
 
-def test_a_ray_of_raylora_own_starts_no_preemption_watcher(straight):
-    """The shared Ray here is `init_ray`'s own one-node Ray: the worker groups of the runs this process
-    started (its job; a driver that joins by address is another job) come without Ray Train's preemption
-    watcher, an actor each group would start (no provider drains this machine)."""
+def test_a_ray_of_raylora_own_starts_no_helper_actors_it_does_not_use(straight):
+    """The shared Ray here is `init_ray`'s own one-node Ray: the runs this process started (its job; a
+    driver that joins by address is another job) come without Ray Train's preemption watcher (no provider
+    drains this machine), its DatasetManager (raylora hands Ray no datasets) and its placement-group
+    cleaner (this Ray ends with its driver): actors each run or worker group would start."""
     import ray
 
     job = ray.get_runtime_context().get_job_id()
     classes = {a["ActorClassName"] for a in ray._private.state.actors().values() if a["JobID"] == job}
     assert "RayTrainWorker" in classes and "TrainController" in classes, classes  # dead ones are listed too
-    assert "PreemptionWatcher" not in classes, classes
+    assert not {"PreemptionWatcher", "DatasetManager", "PlacementGroupCleaner"} & classes, classes

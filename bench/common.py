@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import sys
 import threading
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python bench/x.py` puts only bench/ on the path
     sys.path.insert(0, str(ROOT))
 
-from tests.support import use_ray_test_env  # noqa: E402
+from tests.support import free_port, use_ray_test_env  # noqa: E402, F401 (free_port: for the scripts)
 
 use_ray_test_env()
 
@@ -49,13 +48,6 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 def repeats(args: argparse.Namespace, default: int = 3) -> int:
     return args.repeats or (1 if args.tiny else default)
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (for a process group's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def median(samples: list[float]) -> float:

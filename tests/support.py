@@ -39,6 +39,15 @@ def use_ray_test_env() -> None:
         os.environ["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a rendezvous, a server, a Ray node's port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_ray(num_cpus: int | None = None, env_vars: dict[str, str] | None = None, address: str = "local"):
     """Start a Ray of the caller's own (`address="local"`) or connect to `address` (a
     `ray.cluster_utils.Cluster`'s), its workers with raylora's runtime env plus `env_vars`; returns `ray`."""
@@ -63,9 +72,7 @@ class S3Server:
         import subprocess
         import time
 
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         moto = Path(sys.executable).parent / "moto_server"
         self.process = subprocess.Popen(
             [str(moto), "-H", "127.0.0.1", "-p", str(port)],

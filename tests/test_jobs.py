@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,18 +16,12 @@ import pytest
 
 from raylora import checkpoint
 from raylora.progress import read_metrics
-from tests.support import RAY_TEST_ENV
+from tests.support import RAY_TEST_ENV, free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict:
@@ -44,20 +37,20 @@ def head():
     that name its temp dir.
     """
     temp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # short: Ray's socket paths have a length limit
-    dash = _free_port()
+    dash = free_port()
     cmd = [
         str(BIN / "ray"),
         "start",
         "--head",
         "--node-ip-address=127.0.0.1",
-        f"--port={_free_port()}",
+        f"--port={free_port()}",
         f"--dashboard-port={dash}",
         "--dashboard-host=127.0.0.1",
         f"--temp-dir={temp}",
         "--num-cpus=4",
         "--disable-usage-stats",
-        f"--ray-client-server-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--ray-client-server-port={free_port()}",
+        f"--dashboard-agent-listen-port={free_port()}",
     ]
     subprocess.run(cmd, check=True, env=_env(), capture_output=True)
     yield f"http://127.0.0.1:{dash}"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from raylora.data.formats import open_rows
 from raylora.data.labels import IGNORE_INDEX, end_of_turn_ids, last_answer
 from raylora.data.processor import load_processor
 from raylora.data.sampler import GlobalSampler
+from tests.support import free_port
 
 
 def test_qwen2_vl_aligner_inside_vision_tower():
@@ -258,9 +258,7 @@ def test_a_zero3_engine_starts_without_importing_torchinductor():
         "assert type(original_muon.zeropower_via_newtonschulz5).__name__ == 'function'  # eager\n"
         "assert compiler.compile() is torch.compile\n"
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    port = str(free_port())
     proc = subprocess.run([sys.executable, "-c", code, port], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import common
 
-from tests.support import on_workers, tiny_run_config
+from tests.support import tiny_run_config
 
 
 def probe(cfg, out_dir: str, steps: int, reps: int) -> dict:
@@ -109,7 +109,7 @@ def measure(args, work: Path, label: str, width: int, layers: int, rank: int, st
         model, common.digits(args.work), work / "ray", "checkpoint-size", common.NO_CHECKPOINTS, *lora
     )
     out = str(work / "out" / label.replace(" ", "-").replace(",", ""))
-    r = on_workers(lambda: probe(cfg, out, steps, reps), work / "ray", "ckpt-size")
+    r = common.on_workers(lambda: probe(cfg, out, steps, reps), work / "ray", "ckpt-size")
 
     s = r["samples"]
     med = {w: {k: common.median(v) for k, v in s[w].items()} for w in WAYS}

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import common
 
-from tests.support import S3Server, on_workers, tiny_run_config
+from tests.support import S3Server, tiny_run_config
 
 MODES = ("sync", "async")
 
@@ -79,7 +79,7 @@ def main() -> None:
         with common.local_ray():
             for mode in MODES:
                 cfg = tiny_run_config(model, data, storage, mode, f"run.checkpoint_upload={mode}")
-                rows[mode] = on_workers(
+                rows[mode] = common.on_workers(
                     lambda cfg=cfg, mode=mode: probe(cfg, mode, steps, every), storage, mode
                 )
         size = _last_checkpoint_bytes(storage + "/async")

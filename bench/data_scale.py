@@ -20,7 +20,7 @@ from pathlib import Path
 
 import common
 
-from tests.support import on_workers, tiny_run_config
+from tests.support import tiny_run_config
 
 SIZES = (1_000, 10_000, 100_000)
 TINY_SIZES = (64, 640)
@@ -133,7 +133,7 @@ def main() -> None:
             warm = tiny_run_config(
                 model, sources["raylora", sizes[0]], work / "ray", "warm-up", "train.max_steps=1"
             )
-            on_workers(lambda: first_step_on_rank(warm), work / "ray", "warm-up")
+            common.on_workers(lambda: first_step_on_rank(warm), work / "ray", "warm-up")
         for rep in range(reps):
             for layout in layouts:
                 for rows in sizes:
@@ -150,7 +150,7 @@ def main() -> None:
                     start = time.perf_counter()
                     preflight(cfg)
                     preflight_s = time.perf_counter() - start
-                    ranks = on_workers(lambda cfg=cfg: first_step_on_rank(cfg), work / "ray", name)
+                    ranks = common.on_workers(lambda cfg=cfg: first_step_on_rank(cfg), work / "ray", name)
                     assert all(r["rows"] == rows for r in ranks), ranks
                     slowest = max(r["to_first_step_s"] for r in ranks)
                     f = figures.setdefault((layout, rows), {})

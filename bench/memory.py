@@ -24,7 +24,7 @@ from pathlib import Path
 
 import common
 
-from tests.support import on_workers, tiny_run_config
+from tests.support import tiny_run_config
 
 VOCAB = 32064  # llava-1.5-7b's; Qwen2-VL-7B's is 152064
 WIDTH, LAYERS = 256, 4
@@ -165,7 +165,7 @@ def main() -> None:
             )
             full = "answer_only_logits" not in on
             start = time.perf_counter()
-            ranks = on_workers(
+            ranks = common.on_workers(
                 lambda cfg=cfg, full=full: measure_on_rank(cfg, full, steps), work, cfg.run.name
             )
             step_peaks = [r["peak_rss_mb"] - r["rss_before_mb"] for r in ranks]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import common
 
-from tests.support import on_workers, start_ray, tiny_run_config, train_and_save
+from tests.support import start_ray, tiny_run_config, train_and_save
 
 WORKERS = (1, 2, 4)
 
@@ -140,13 +140,13 @@ def main() -> None:
 
     try:
         cfg = tiny_run_config(model, data, work / "ray", "make", common.NO_CHECKPOINTS)
-        sizes = on_workers(lambda: make_checkpoint(cfg, folder), work / "ray", "make")
+        sizes = common.on_workers(lambda: make_checkpoint(cfg, folder), work / "ray", "make")
         figures = {}
         for n in WORKERS:
             cfg_n = tiny_run_config(
                 model, data, work / "ray", f"w{n}", common.NO_CHECKPOINTS, f"scaling.num_workers={n}"
             )
-            figures[n] = on_workers(
+            figures[n] = common.on_workers(
                 lambda cfg_n=cfg_n: probe(cfg_n, folder, reps), work / "ray", f"w{n}", num_workers=n
             )
     finally:

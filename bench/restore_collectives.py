@@ -20,7 +20,7 @@ from pathlib import Path
 
 import common
 
-from tests.support import on_workers, read_params, tiny_run_config
+from tests.support import read_params, tiny_run_config
 
 
 def _gathered_write(params: list, values: dict, names: list[str]) -> None:
@@ -160,7 +160,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     runs = variants(args, work)
     with common.local_ray():
-        report = on_workers(lambda: probe(runs, str(work / "out"), reps), work / "ray", "restore")
+        report = common.on_workers(lambda: probe(runs, str(work / "out"), reps), work / "ray", "restore")
 
     rows = []
     for v in report:

@@ -16,8 +16,6 @@ from pathlib import Path
 import common
 from restore_collectives import variants
 
-from tests.support import on_workers
-
 
 def probe(runs: list, reps: int) -> list[dict]:
     import torch
@@ -83,7 +81,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     runs = variants(args, work)
     with common.local_ray():
-        report = on_workers(lambda: probe(runs, reps), work / "ray", "save")
+        report = common.on_workers(lambda: probe(runs, reps), work / "ray", "save")
 
     rows = []
     for v in report:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import common
 
-from tests.support import on_workers, tiny_run_config
+from tests.support import tiny_run_config
 
 
 def probe(runs: list, out_dir: str, reps: int) -> list[dict]:
@@ -154,7 +154,7 @@ def main() -> None:
             )
         )
     with common.local_ray():
-        report = on_workers(lambda: probe(runs, str(work / "out"), reps), work / "ray", "scale")
+        report = common.on_workers(lambda: probe(runs, str(work / "out"), reps), work / "ray", "scale")
 
     rows = []
     for v in report:

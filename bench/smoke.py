@@ -3,6 +3,8 @@ behind tests/test_bench.py (a check that each script works end to end, not a tim
 
 One process and one Ray for all scripts, and one scratch folder, so the tiny models and the digits are
 built once: starting Python, importing torch and starting Ray per script cost more than most tiny runs.
+For the same reason the scripts' probes (`common.on_workers`) share one worker group
+(`common.probe_group`); their runs of raylora's driver start groups of their own, as a user's would.
 
     python bench/smoke.py --out DIR --work DIR SCRIPT [SCRIPT ...]     # e.g. throughput recovery
 
@@ -20,7 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
-import common  # noqa: F401 (puts the repository root on sys.path)
+import common  # puts the repository root on sys.path
 
 
 def main() -> None:
@@ -39,24 +41,30 @@ def main() -> None:
     init_ray(num_cpus=4)  # common.local_ray uses this one and leaves it running
     status = {}
     try:
-        for name in args.scripts:
-            started = time.perf_counter()
-            argv = sys.argv
-            # as if run on its own: write_result records sys.argv as the command
-            sys.argv = [f"bench/{name}.py", "--tiny", "--out", str(out), "--work", args.work]
-            try:
-                importlib.import_module(name).main()
-                status[name] = {"ok": True}
-            except Exception:  # the next scripts still run; the test names this one's traceback
-                status[name] = {"ok": False, "error": traceback.format_exc()}
-            finally:
-                sys.argv = argv
-            status[name]["seconds"] = time.perf_counter() - started
-            outcome = "ok" if status[name]["ok"] else "FAILED"
-            print(f"smoke: {name} {outcome} in {status[name]['seconds']:.0f} s", flush=True)
-            (out / "smoke.json").write_text(json.dumps(status, indent=1))
+        with common.probe_group(Path(args.work) / "probe-group"):
+            smoke(args.scripts, out, args.work, status)
     finally:
         ray.shutdown()
+
+
+def smoke(scripts: list[str], out: Path, work: str, status: dict) -> None:
+    """Run each script's main() as `bench/SCRIPT.py --tiny`; record its outcome in status and smoke.json."""
+    for name in scripts:
+        started = time.perf_counter()
+        argv = sys.argv
+        # as if run on its own: write_result records sys.argv as the command
+        sys.argv = [f"bench/{name}.py", "--tiny", "--out", str(out), "--work", work]
+        try:
+            importlib.import_module(name).main()
+            status[name] = {"ok": True}
+        except Exception:  # the next scripts still run; the test names this one's traceback
+            status[name] = {"ok": False, "error": traceback.format_exc()}
+        finally:
+            sys.argv = argv
+        status[name]["seconds"] = time.perf_counter() - started
+        outcome = "ok" if status[name]["ok"] else "FAILED"
+        print(f"smoke: {name} {outcome} in {status[name]['seconds']:.0f} s", flush=True)
+        (out / "smoke.json").write_text(json.dumps(status, indent=1))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python bench/x.py` puts only bench/ on the path
     sys.path.insert(0, str(ROOT))
 
-from tests.support import free_port, use_ray_test_env  # noqa: E402, F401 (free_port: for the scripts)
+from tests.support import ProbeGroup, free_port, use_ray_test_env  # noqa: E402, F401 (free_port: for the scripts)
 
 use_ray_test_env()
 
@@ -160,11 +160,9 @@ def local_ray():
 # One worker group for many probes. bench/smoke.py runs every script in one process, and the scripts'
 # probes (`on_workers`) each started a worker group of their own: about 13 s apiece on 2 cores, nearly all
 # of it fresh processes importing torch, transformers, PEFT and DeepSpeed. Inside `probe_group()` they
-# all run, one after the other, in one group that stays up. A smoke run checks that each script works;
-# the figures that depend on fresh processes (startup, peak memory) come from the scripts' own runs,
-# outside it. Ray Train has no call that runs a function on a group it keeps, so the group's training
-# function serves: rank 0 takes each function from a Ray queue and broadcasts it to the other ranks,
-# every rank runs it, and rank 0 puts its return value on the reply queue.
+# all run, one after the other, in one group that stays up (`tests.support.ProbeGroup`). A smoke run
+# checks that each script works; the figures that depend on fresh processes (startup, peak memory) come
+# from the scripts' own runs, outside it.
 _probe_group: ProbeGroup | None = None
 
 
@@ -177,59 +175,6 @@ def on_workers(fn, storage: str | Path, name: str, num_workers: int = 2, use_gpu
     if group is not None and not use_gpu and num_workers == group.num_workers:
         return group.call(fn)
     return in_new_group(fn, storage, name, num_workers, use_gpu)
-
-
-def _serve(requests, replies) -> None:
-    """A probe group's training function: run each broadcast function until a None comes."""
-    import torch.distributed as dist
-    from ray import cloudpickle  # the functions are lambdas and closures, which pickle refuses
-
-    rank = dist.get_rank()
-    while True:
-        box = [cloudpickle.dumps(requests.get()) if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        fn = cloudpickle.loads(box[0])
-        if fn is None:
-            return
-        # an exception ends this rank's training function, and Ray Train the group: rank 0 is not left
-        # waiting in a collective of the function for a rank that gave up
-        out = fn()
-        if rank == 0:
-            replies.put(("ok", out))
-
-
-class ProbeGroup:
-    """A worker group kept up in a thread of the driver (see `probe_group`)."""
-
-    def __init__(self, storage: str | Path, num_workers: int) -> None:
-        from ray.util.queue import Queue
-
-        from tests.support import on_workers as in_new_group
-
-        self.num_workers = num_workers
-        self.requests, self.replies = Queue(), Queue()
-        requests, replies = self.requests, self.replies
-
-        def serve() -> None:
-            try:
-                in_new_group(lambda: _serve(requests, replies), storage, "probe-group", num_workers)
-                replies.put(("ended", "the probe group ended"))
-            except Exception as err:  # the waiting call raises it
-                replies.put(("ended", f"the probe group failed: {err!r}"))
-
-        self.thread = threading.Thread(target=serve, name="probe-group", daemon=True)
-        self.thread.start()
-
-    def call(self, fn) -> Any:
-        self.requests.put(fn)
-        kind, value = self.replies.get(timeout=1800)
-        if kind != "ok":
-            raise RuntimeError(value)
-        return value
-
-    def close(self) -> None:
-        self.requests.put(None)
-        self.thread.join(timeout=120)
 
 
 @contextmanager

@@ -25,6 +25,22 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name in OWN_RAY)  # stable: the order within each part stays
 
 
+_probe_groups: list = []  # the session's tests.support.ProbeGroup, while one is up
+
+
+def _close_probe_group() -> None:
+    while _probe_groups:
+        group = _probe_groups.pop()
+        if group.alive:
+            group.close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.path.name in OWN_RAY:  # before its fixtures shut the shared Ray down under the group
+        _close_probe_group()
+
+
 @pytest.fixture(scope="session")
 def digits(tmp_path_factory):
     """(train.parquet, eval.parquet) of the handwritten digits."""
@@ -61,7 +77,8 @@ def s3():
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray shared by the distributed tests (4 logical CPUs on 2 cores: 2 workers plus headroom).
+    """A local Ray shared by the distributed tests (6 logical CPUs on 2 cores: the 2 workers of
+    `probes`, and 3 workers or 2 plus headroom for a run).
 
     Module-scoped so that a module that needs a Ray of its own (several nodes) can shut this one down.
     """
@@ -69,8 +86,30 @@ def ray_cluster():
 
     from raylora.driver import init_ray
 
-    init_ray(num_cpus=4)
+    init_ray(num_cpus=6)
     return ray
+
+
+@pytest.fixture(scope="session")
+def probes(tmp_path_factory):
+    """`probes(fn)`: `fn()` on 2 Ray Train workers (gloo, as raylora trains), rank 0's return value, like
+    `tests.support.on_workers`, but every test's probe runs in one worker group kept for the session
+    (`tests.support.ProbeGroup`): a group's start is about 13 s here, and the probes need only the
+    workers. A probe that raises ends the group (its test fails, naming the error); the next starts
+    another. Use it with the shared Ray up (`ray_cluster`); closed before the modules with a Ray of
+    their own."""
+    from tests.support import ProbeGroup
+
+    storage = tmp_path_factory.mktemp("probe-group")
+
+    def call(fn):
+        if not (_probe_groups and _probe_groups[-1].alive):
+            _close_probe_group()
+            _probe_groups.append(ProbeGroup(storage, 2))
+        return _probe_groups[-1].call(fn)
+
+    yield call
+    _close_probe_group()
 
 
 @pytest.fixture(scope="session")

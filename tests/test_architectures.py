@@ -22,7 +22,7 @@ from raylora.assets import TINY_ARCHS
 from raylora.data.batches import make_batch
 from raylora.data.labels import IGNORE_INDEX
 from raylora.data.processor import load_processor
-from tests.support import on_workers, restore_probe, tiny_run_config, train_and_save
+from tests.support import restore_probe, tiny_run_config, train_and_save
 from tests.test_batches import ANSWERS, END_OF_TURN, SAMPLES
 
 PARTS = ("language_model", "vision_tower", "aligner")
@@ -90,7 +90,7 @@ def test_batch_feeds_forward_and_every_part_learns(arch, tiny_models):
 
 
 @pytest.fixture(scope="module")
-def round_trips(ray_cluster, tiny_models, digits, tmp_path_factory):
+def round_trips(ray_cluster, probes, tiny_models, digits, tmp_path_factory):
     """Each newer architecture trained 2 steps and its step-2 checkpoint restored, one after the other on
     one group of 2 workers (a worker group's start is most of a tiny run's time)."""
     storage = tmp_path_factory.mktemp("round-trips")
@@ -111,7 +111,7 @@ def round_trips(ray_cluster, tiny_models, digits, tmp_path_factory):
             for arch, cfg, probe, folder in runs
         }
 
-    done = on_workers(each, storage, "round-trips")
+    done = probes(each)
     return {arch: (*done[arch], folder) for arch, _, _, folder in runs}
 
 

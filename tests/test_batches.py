@@ -197,14 +197,17 @@ def test_bad_row_is_skipped_or_ends_the_run_naming_it(tmp_path):
 
 # ------------------------------------------------------------------------------------------ distributed
 
-STEPS = 3
+STEPS = 4
 ROWS = 16
+# The kill comes before step 4, one step after the step-2 checkpoint, which the drill waits to see recorded:
+# the resumed run starts from it. (A kill at a checkpoint step races the report and may resume from none.)
+KILL_AT = 3
 GLOBAL_BATCH = 8  # tiny_run_config's: 2 workers x 2 micro batches of 2
 
 
 @pytest.fixture(scope="module")
 def mixed_runs(ray_cluster, tiny_models, tmp_path_factory):
-    """An uninterrupted and a killed-and-resumed run of 3 steps (vision tower trained, gradient
+    """An uninterrupted and a killed-and-resumed run of 4 steps (vision tower trained, gradient
     checkpointing on) on chat JSONL whose step 0 gives rank 1 text rows only, with a corrupt image in
     step 1, and `data.max_length` one token short of the longest kind of row."""
     folder = tmp_path_factory.mktemp("mixed")
@@ -231,7 +234,7 @@ def mixed_runs(ray_cluster, tiny_models, tmp_path_factory):
 
     def both():
         try:
-            outcome["runs"] = straight_and_killed(model_dir, data, folder, 2, *overrides)
+            outcome["runs"] = straight_and_killed(model_dir, data, folder, KILL_AT, *overrides)
         except BaseException as err:  # raised again below, in the test's own thread
             outcome["error"] = err
 
@@ -270,6 +273,8 @@ def test_mixed_data_trains_counts_bad_rows_and_resumes_equal(mixed_runs):
 
     straight, killed = _load(mixed_runs["straight"]), _load(mixed_runs["killed"])
     assert straight.state.step == killed.state.step == STEPS and killed.state.restarts == 1
+    resumed = [r["step"] for r in read_metrics(str(mixed_runs["storage"]), "killed") if r["restarts"] == 1]
+    assert resumed == [KILL_AT, STEPS], "the resumed run should go on from the step-2 checkpoint"
     for name in ("straight", "killed"):
         rows = {r["step"]: r for r in read_metrics(str(mixed_runs["storage"]), name)}
         assert [rows[s + 1]["bad_rows"] for s in range(STEPS)] == mixed_runs["expected_bad"], name

@@ -2,8 +2,9 @@
 its weights, masters, gradients and checkpoints is tested here (NCCL itself is `make gpu-check`'s).
 
 bf16 weights and activations, LoRA in bf16 beside a trained bf16 vision tower and aligner, fp32 masters,
-Adam moments, gradient accumulation and reduction; a worker killed after a checkpoint; the resumed run
-must equal the uninterrupted one bit for bit.
+Adam moments; a worker killed after a checkpoint; the resumed run must equal the uninterrupted one bit for
+bit. What a bf16 restore puts into DeepSpeed's engine (masters, moments, weights as the masters' bf16
+rounding) and the fp32 gradient accumulation and reduction are tests/test_zero_internals.py's probe.
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raylora import checkpoint
 from tests.support import final_checkpoint as _final
-from tests.support import on_workers, read_params, straight_and_killed, tiny_run_config
+from tests.support import straight_and_killed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -59,42 +59,3 @@ def test_bf16_checkpoint_holds_fp32_masters_beyond_bf16(runs):
     assert len(updated) > len(final.weights) // 2
     bf16_only = [n for n in updated if torch.equal(final.weights[n], final.weights[n].bfloat16().float())]
     assert not bf16_only, f"masters with bf16 precision only: {bf16_only}"
-
-
-def _bf16_probe(cfg, folder: str) -> dict:
-    """On each rank: restore from `folder` in bf16 and report what the engine holds before any step."""
-    from raylora import zero
-    from raylora.worker import setup
-
-    loaded = checkpoint.load(folder)
-    s = setup(cfg, loaded)
-    model_values = {n: p for n, p in read_params(s.params).items()}
-    dtypes = {str(p.dtype) for p in s.params.values()}
-    gathered = zero.gather_trainable_state(s.engine, s.params)
-    if s.rank != 0:
-        return {}
-    masters, moments = gathered
-    w = loaded.weights
-    return {
-        "param_dtypes": sorted(dtypes),
-        "grad_accum_dtype": str(s.engine.optimizer.gradient_accumulation_dtype),
-        "communication_dtype": str(s.engine.communication_data_type),
-        "params_are_bf16_rounding": all(
-            torch.equal(model_values[n], w[n].to(torch.bfloat16).float()) for n in w
-        ),
-        "masters_equal": all(torch.equal(masters[n], w[n]) for n in w),
-        "moments_equal": all(torch.equal(moments[n], loaded.moments[n]) for n in loaded.moments),
-    }
-
-
-def test_bf16_restore_keeps_fp32_masters_and_accumulates_in_fp32(runs, tmp_path):
-    mid = runs["straight"].best_checkpoints[0][0]  # the step-2 checkpoint
-    cfg = tiny_run_config(runs["model_dir"], runs["digits"], tmp_path, "probe", BF16)
-    with mid.as_directory() as folder:
-        probe = on_workers(lambda: _bf16_probe(cfg, folder), tmp_path, "probe")
-    assert probe["param_dtypes"] == ["torch.bfloat16"], "LoRA and trained modules should share bf16"
-    assert probe["grad_accum_dtype"] == "torch.float32"
-    assert probe["communication_dtype"] == "torch.float32"
-    assert probe["params_are_bf16_rounding"]
-    assert probe["masters_equal"], "fp32 masters lost precision on restore (rebuilt from bf16 weights?)"
-    assert probe["moments_equal"]

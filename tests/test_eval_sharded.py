@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import on_workers, tiny_run_config
+from tests.support import tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -111,7 +111,7 @@ def _probe(cfgs: dict, full: set[str]) -> dict:
     return results
 
 
-def test_eval_on_a_gathered_copy_equals_eval_under_zero3(ray_cluster, tiny_models, digits, tmp_path):
+def test_eval_on_a_gathered_copy_equals_eval_under_zero3(ray_cluster, probes, tiny_models, digits, tmp_path):
     from tests.support import REMOTE_PARTS, make_remote_code_model
 
     def cfg(name: str, model: str, *overrides: str):
@@ -136,7 +136,7 @@ def test_eval_on_a_gathered_copy_equals_eval_under_zero3(ray_cluster, tiny_model
     # One worker group for every engine: an engine's memory stays held in its process after the engine is
     # dropped (DeepSpeed keeps the module in a global stack), but DeepSpeed's 2 GB reduce bucket is never
     # written on CPU (train.deterministic leaves torch.empty unfilled), so 7 engines stay small.
-    results = on_workers(lambda: _probe(cfgs, full), tmp_path, "eval-group")
+    results = probes(lambda: _probe(cfgs, full))
     assert sorted(results) == sorted(cfgs)
     for name, r in results.items():
         assert r["logits_equal"], f"{name}: the copy's logits differ by {r['logits_max_diff']}"

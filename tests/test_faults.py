@@ -99,8 +99,8 @@ def _kill_random_workers(
 def test_many_faults_in_one_run_end_bitwise_equal(straight, tiny_models, digits):
     storage, reference = straight
     # drills: rank 0 dies before step 3 (ending worker group 1) and while writing the step-6 checkpoint
-    # (ending group 2); then a random worker of each of groups 3 and 4 is killed at a random moment
-    # from outside: four faults, four distinct groups, four restarts
+    # (ending group 2); then a random worker of group 3 is killed at a random moment from outside:
+    # three faults, three distinct groups, three restarts (each restart is a worker group's start)
     cfg = tiny_run_config(
         tiny_models("llava"),
         digits[0],
@@ -116,7 +116,7 @@ def test_many_faults_in_one_run_end_bitwise_equal(straight, tiny_models, digits)
 
     def killer_main():
         try:
-            killed.extend(_kill_random_workers(storage / "many", 2, stop, after_attempt=2))
+            killed.extend(_kill_random_workers(storage / "many", 1, stop, after_attempt=2))
         except Exception as err:  # surfaced below: a silent killer would make the test vacuous
             errors.append(repr(err))
 
@@ -129,10 +129,10 @@ def test_many_faults_in_one_run_end_bitwise_equal(straight, tiny_models, digits)
         killer.join()
     assert result.error is None
     assert not errors, errors
-    assert len(killed) == 2, "the random killer should have struck twice during the run"
+    assert len(killed) == 1, "the random killer should have struck during the run"
     final = _final(result)
     assert final.state.step == STEPS
-    assert final.state.restarts == 4, final.state.restarts
+    assert final.state.restarts == 3, final.state.restarts
     rows = read_metrics(str(storage), "many")
     # the kill before step 3 resumed from step 2's checkpoint; the kill while writing step 6's lost that
     # checkpoint (never reported), so the groups after it resumed from step 4's (group 3 may die before

@@ -425,56 +425,44 @@ def test_every_format_builds_the_batches_a_worker_trains_on(sources, tiny_models
 
 @pytest.mark.distributed
 @pytest.mark.slow
-# Chat JSONL is killed and resumed in tests/test_batches.py, with multi-turn, multi-image and text-only rows.
-# Every other format builds the same batches (test_every_format_builds_the_batches_a_worker_trains_on);
-# LLaMA-Factory's dataset_info.json layout (string content with <image> tags, images beside the file)
-# trains end to end here, the input pipeline's processes reading it on the workers.
-@pytest.mark.parametrize("name", ["llamafactory"])
-def test_each_format_resumes_to_the_reference_weights(name, reference, sources, tiny_models):
-    from raylora.driver import run
-    from raylora.progress import read_metrics
-    from tests.support import tiny_run_config
+def test_llamafactory_data_on_a_remote_code_model_resumes_bitwise_and_exports(
+    reference, sources, tiny_models, tmp_path
+):
+    """Two paths against the module's one uninterrupted run (raylora Parquet, Llava), in one killed run
+    (each distributed run costs a worker group's start):
 
-    storage, expected = reference
-    source = sources[name]
-    overrides = [*STEPS, *source["overrides"], f"fault.kill_at_steps={KILL_AT}"]
-    result = run(tiny_run_config(tiny_models("llava"), source["uri"], storage, f"killed-{name}", *overrides))
-    assert result.error is None
-    logged = read_metrics(str(storage), f"killed-{name}")
-    assert {r["step"] for r in logged} >= {1, 2, 3, 4} and all(r["bad_rows"] == 0 for r in logged)
-    got = _final(result)
-    assert got.state.restarts == 1 and got.state.step == expected.state.step == 4
-    assert got.state.data_rows == ROWS
-    assert got.weights.keys() == expected.weights.keys()
-    for key, value in expected.weights.items():
-        assert torch.equal(value, got.weights[key]), f"{name}: {key} differs from the raylora Parquet run"
+    - the data: LLaMA-Factory's dataset_info.json layout (string content with <image> tags, images beside
+      the file), read by the input pipeline's processes on the workers. Every other format builds the same
+      batches (test_every_format_builds_the_batches_a_worker_trains_on), and chat JSONL is killed and
+      resumed in tests/test_batches.py with multi-turn, multi-image and text-only rows;
+    - the model: a folder with its own modeling code (tests/test_remote_code.py; Llava's classes and
+      weights under another model type), trained through the remote-code path.
 
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_remote_code_model_resumes_bitwise_and_exports(reference, sources, tiny_models, tmp_path):
-    """A model folder with its own modeling code (tests/test_remote_code.py; Llava's classes and weights
-    under another model type), trained through the remote-code path: killed and resumed, it ends equal to
-    the module's uninterrupted Llava run on the same rows, bit for bit (the same model under another name:
-    one reference serves both, and proves the remote-code path trains exactly as the native one), and
-    exports merged with its modeling file."""
+    Killed and resumed, it ends equal to the reference bit for bit (the same rows and the same model under
+    another name: this proves both paths train exactly as the native ones), and exports merged with its
+    modeling file."""
     from transformers import AutoModelForImageTextToText
 
     from raylora import cli
     from raylora.driver import run
+    from raylora.progress import read_metrics
     from tests.support import REMOTE_PARTS, make_remote_code_model, tiny_run_config
 
     storage, expected = reference
+    source = sources["llamafactory"]
     model = make_remote_code_model(tiny_models("llava"), tmp_path / "remote")
-    overrides = [*STEPS, *REMOTE_PARTS, f"fault.kill_at_steps={KILL_AT}"]
-    killed = run(tiny_run_config(model, sources["raylora"]["uri"], storage, "killed-remote", *overrides))
+    overrides = [*STEPS, *source["overrides"], *REMOTE_PARTS, f"fault.kill_at_steps={KILL_AT}"]
+    killed = run(tiny_run_config(model, source["uri"], storage, "killed-remote", *overrides))
     assert killed.error is None
+    logged = read_metrics(str(storage), "killed-remote")
+    assert {r["step"] for r in logged} >= {1, 2, 3, 4} and all(r["bad_rows"] == 0 for r in logged)
     got = _final(killed)
     assert expected.state.restarts == 0
-    assert got.state.restarts == 1 and got.state.step == 4 and got.state.arch == "raylora_remote_vlm"
+    assert got.state.restarts == 1 and got.state.step == expected.state.step == 4
+    assert got.state.arch == "raylora_remote_vlm" and got.state.data_rows == ROWS
     assert got.weights.keys() == expected.weights.keys()
     for key, value in expected.weights.items():
-        assert torch.equal(value, got.weights[key]), f"remote code: {key} differs after the resume"
+        assert torch.equal(value, got.weights[key]), f"{key} differs from the raylora Parquet Llava run"
     out = tmp_path / "merged"
     with killed.checkpoint.as_directory() as folder:
         assert cli.main(["export", folder, "--out", str(out), "--merge"]) == 0

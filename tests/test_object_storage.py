@@ -13,9 +13,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -105,28 +102,32 @@ def test_prepare_data_reads_and_writes_object_storage(s3_ray, s3_source, tiny_mo
     assert s3_ray.fs().get_file_info(f"{s3_ray.bucket}/prepared/summary.json").size > 0
 
 
-def _cli(*argv: str) -> subprocess.CompletedProcess:
-    """The raylora command as a user runs it, in a process of its own (the endpoint's env inherited)."""
-    return subprocess.run(
-        [sys.executable, "-m", "raylora.cli", *argv], capture_output=True, text=True, env=dict(os.environ)
-    )
+def _cli(*argv: str) -> tuple[int, str, str]:
+    """The raylora command in this process (exit code, stdout, stderr). The commands in processes of
+    their own, as a user runs them, are tests/test_export.py's and tests/test_inspect_plot.py's."""
+    with (
+        contextlib.redirect_stdout(io.StringIO()) as out,
+        contextlib.redirect_stderr(io.StringIO()) as err,
+    ):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
 
 
 def test_commands_take_checkpoint_uris(runs, s3_source, tmp_path):
     uri = "s3://" + runs["straight"].checkpoint.path
-    inspected = _cli("inspect", uri, "--json")
-    assert inspected.returncode == 0, inspected.stderr
-    assert json.loads(inspected.stdout)["step"] == 4
+    code, printed, err = _cli("inspect", uri, "--json")
+    assert code == 0, err
+    assert json.loads(printed)["step"] == 4
 
-    exported = _cli("export", uri, "--out", str(tmp_path / "adapter"))
-    assert exported.returncode == 0, exported.stderr
+    code, printed, err = _cli("export", uri, "--out", str(tmp_path / "adapter"))
+    assert code == 0, err
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
     source, images, _ = s3_source
-    evaluated = _cli("eval", uri, "--data", source, "--image-root", images, "--max-samples", "4")
-    assert evaluated.returncode == 0, evaluated.stderr
-    assert "accuracy" in evaluated.stdout
+    code, printed, err = _cli("eval", uri, "--data", source, "--image-root", images, "--max-samples", "4")
+    assert code == 0, err
+    assert "accuracy" in printed
 
-    plotted = _cli("plot", runs["storage"] + "/straight", "--out", str(tmp_path / "loss.png"))
-    assert plotted.returncode == 0, plotted.stderr
+    code, printed, err = _cli("plot", runs["storage"] + "/straight", "--out", str(tmp_path / "loss.png"))
+    assert code == 0, err
     assert Path(tmp_path / "loss.png").stat().st_size > 0

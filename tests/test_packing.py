@@ -361,9 +361,7 @@ def mixed_data(tmp_path_factory):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_packed_step_equals_padded_step_on_zero3_workers(ray_cluster, tiny_models, mixed_data):
-    from tests.support import on_workers
-
+def test_packed_step_equals_padded_step_on_zero3_workers(ray_cluster, probes, tiny_models, mixed_data):
     folder, data = mixed_data
     configs = {}
     for arch in packing.VERIFIED:
@@ -377,7 +375,7 @@ def test_packed_step_equals_padded_step_on_zero3_workers(ray_cluster, tiny_model
             configs[arch, mode] = tiny_run_config(
                 tiny_models(arch), data, folder, f"{arch}-{mode}", "lora.dropout=0", *extra
             )
-    got = on_workers(lambda: _one_step_each(configs), folder, "packed-vs-padded")
+    got = probes(lambda: _one_step_each(configs))
     uneven = 0
     for arch in packing.VERIFIED:
         padded, packed = got[arch, "padded"], got[arch, "packed"]

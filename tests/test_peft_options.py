@@ -26,7 +26,7 @@ from raylora.data.processor import load_processor
 from raylora.driver import preflight
 from raylora.evaluate import load_for_inference
 from raylora.model import add_lora, base_name, set_trainable, trainable_parameters
-from tests.support import on_workers, restore_probe, tiny_run_config, train_and_save
+from tests.support import restore_probe, tiny_run_config, train_and_save
 
 RUNS = {
     "dora": ("lora.use_dora=true", "lora.use_rslora=true", "lora.init=olora"),
@@ -37,7 +37,7 @@ SHORT = ("train.max_steps=3", "train.warmup_steps=0")
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, tiny_models, digits, tmp_path_factory):
+def runs(ray_cluster, probes, tiny_models, digits, tmp_path_factory):
     """Each option set RUNS names trained 2 steps (mid-schedule: the moments are nonzero) and its
     checkpoint restored, one after the other on one group of 2 workers (a group's start is most of a
     tiny run's time)."""
@@ -60,7 +60,7 @@ def runs(ray_cluster, tiny_models, digits, tmp_path_factory):
             for name, trained in out.items()
         }
 
-    done = on_workers(each, storage, "probes")
+    done = probes(each)
     for name, (metrics, probe) in done.items():
         assert [m["step"] for m in metrics] == [1, 2], name
         out[name]["probe"] = probe

@@ -1,6 +1,10 @@
 """Kill a worker after a checkpoint; the resumed run must equal the uninterrupted one bit for bit.
 
-Real Ray workers, real DeepSpeed ZeRO-3 (every parameter partitioned), gloo on CPU, 2 workers.
+Real Ray workers, real DeepSpeed ZeRO-3 (every parameter partitioned), gloo on CPU, 2 workers. The killed
+run also meets what a real crash leaves and a real storage does: a checkpoint folder whose upload never
+completed, a local folder rank 0 was writing a checkpoint into, and reads of the newest checkpoint that
+fail for a moment on one rank, which must be retried rather than taken for damage (that rank would fall
+back to an older step than the others restore).
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ from safetensors.torch import load_file
 
 from raylora import checkpoint
 from tests.support import final_checkpoint as _final
-from tests.support import on_workers, restore_probe, tiny_run_config
+from tests.support import restore_probe, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-KILL_AT = 3  # rank 1 dies before step 4 (3 steps done); the last checkpoint was at step 2
+KILL_AT = (
+    5  # rank 1 dies before step 6 (5 steps done); the last checkpoint was at step 4, the one before at 2
+)
 VISION_LR = "train.vision_lr=5e-4"  # the vision tower and aligner on a schedule of their own
 
 
@@ -28,19 +34,41 @@ VISION_LR = "train.vision_lr=5e-4"  # the vision tower and aligner on a schedule
 # other architecture restores exactly in tests/test_architectures.py.
 @pytest.fixture(scope="module", params=["llava"])
 def runs(request, ray_cluster, straight_runs, tiny_models, digits, tmp_path_factory):
-    """The uninterrupted run is the session's (tests/test_restore_decision.py compares against it too);
-    the killed one is this module's."""
+    """The uninterrupted run is the session's; the killed one is this module's: rank 1 dies before step
+    6, then its first two reads of a checkpoint fail, and the run folder holds a crashed attempt's
+    leftovers."""
+    from raylora import resume
     from raylora.driver import run
 
     arch = request.param
     storage = tmp_path_factory.mktemp(f"runs-{arch}")
     model_dir = tiny_models(arch)
     straight = straight_runs(arch, VISION_LR)
-    killed = run(
-        tiny_run_config(model_dir, digits[0], storage, "killed", VISION_LR, f"fault.kill_at_steps={KILL_AT}")
+    cfg = tiny_run_config(
+        model_dir,
+        digits[0],
+        storage,
+        "killed",
+        VISION_LR,
+        f"fault.kill_at_steps={KILL_AT}",
+        "fault.read_errors=2",
+        "fault.read_error_rank=1",
     )
+    partial = storage / "killed" / "checkpoint_0000-partial"
+    partial.mkdir(parents=True)
+    (partial / checkpoint.ADAPTER_WEIGHTS).write_bytes(b"cut short")
+    staged = Path(resume.new_staging_folder(cfg, 4))
+    (staged / checkpoint.STATE).write_text("{")
+    killed = run(cfg)
     assert killed.error is None
-    return {"arch": arch, "model_dir": model_dir, "straight": straight, "killed": killed, "storage": storage}
+    return {
+        "arch": arch,
+        "model_dir": model_dir,
+        "straight": straight,
+        "killed": killed,
+        "storage": storage,
+        "leftovers": [partial, staged],
+    }
 
 
 def test_resumed_run_equals_uninterrupted_bitwise(runs):
@@ -58,10 +86,28 @@ def test_resumed_run_equals_uninterrupted_bitwise(runs):
     assert parts, "no vision tower / aligner weights in the checkpoint"
 
 
+def test_transient_read_error_on_one_rank_still_restores_the_newest(runs):
+    """Rank 1's failed reads were retried, not taken for damage: every rank resumed from step 4, not 2;
+    the crashed attempt's leftovers were cleared, and the checkpoints Ray recorded (as raylora reads Ray's
+    snapshot) are the ones in the run folder."""
+    import pyarrow.fs
+
+    from raylora.progress import read_metrics
+    from raylora.storage import recorded_checkpoints
+
+    run_dir = runs["storage"] / "killed"
+    assert (run_dir / ".raylora-drill-read-errors").read_text() == "2", "the read drill did not fire twice"
+    rows = read_metrics(str(runs["storage"]), "killed")
+    assert [r["step"] for r in rows if r["restarts"] == 1][0] == KILL_AT
+    assert not any(folder.exists() for folder in runs["leftovers"])
+    kept = {p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()}
+    assert recorded_checkpoints(pyarrow.fs.LocalFileSystem(), str(run_dir)) == kept and len(kept) == 3
+
+
 def test_losses_after_resume_equal_uninterrupted(runs):
     straight = {m["step"]: m["loss"] for m in runs["straight"].return_value}
-    resumed = runs["killed"].return_value  # the last attempt's steps: 3..6, after resuming at step 2
-    assert [m["step"] for m in resumed] == [3, 4, 5, 6]
+    resumed = runs["killed"].return_value  # the last attempt's steps: 5 and 6, after resuming at step 4
+    assert [m["step"] for m in resumed] == [5, 6]
     for m in resumed:
         assert m["loss"] == straight[m["step"]], f"loss at step {m['step']} differs after resume"
     assert all(m["restarts"] == 1 for m in resumed)
@@ -166,12 +212,12 @@ def test_async_upload_killed_right_after_a_checkpoint_resumes_exactly(runs, digi
         checkpoint.verify(run_dir / folder)
 
 
-def test_restore_equals_checkpoint_before_any_step(runs, tmp_path):
+def test_restore_equals_checkpoint_before_any_step(runs, probes, tmp_path):
     arch_ckpt = runs["straight"].best_checkpoints[0][0]  # the step-2 checkpoint, mid-schedule
     with arch_ckpt.as_directory() as folder:
         state = checkpoint.load(folder).state
         cfg = tiny_run_config(runs["model_dir"], state.config["data"]["train"], tmp_path, "probe", VISION_LR)
-        probe = on_workers(lambda: restore_probe(cfg, folder), tmp_path, "probe")
+        probe = probes(lambda: restore_probe(cfg, folder))
     assert probe["step"] == state.step
     assert probe["lr"] == state.scheduler["_last_lr"][0]
     assert probe["moments_nonzero"]

@@ -68,6 +68,9 @@ def _probe(cfg) -> dict:
         "persistent": sum(bool(getattr(p, "ds_persist", False)) for p in s.params.values()),
         "partitioned": sum(not getattr(p, "ds_persist", False) for p in s.params.values()),
         "dtypes": sorted({str(p.dtype) for p in s.params.values()}),
+        # bf16 weights, but gradients accumulated and reduced in fp32 (raylora.zero's DeepSpeed config)
+        "grad_accum_dtype": str(s.engine.optimizer.gradient_accumulation_dtype),
+        "communication_dtype": str(s.engine.communication_data_type),
     }
     train_step(s)
     after_two = zero.gather_trainable_state(s.engine, s.params)
@@ -127,6 +130,7 @@ def test_zero_state_helpers_match_deepspeed(ray_cluster, tiny_models, digits, tm
     assert report["padded"], "the probe should include partitions with padding"
     assert report["persistent"] > 0 and report["partitioned"] > 0, report
     assert report["dtypes"] == ["torch.bfloat16"]
+    assert report["grad_accum_dtype"] == report["communication_dtype"] == "torch.float32", report
     assert report["num_params"] > 20
     assert report["moments_nonzero"]
     assert report["gather_matches_public_api"], "batched gather differs from DeepSpeed's per-parameter API"

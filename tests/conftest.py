@@ -25,14 +25,14 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name in OWN_RAY)  # stable: the order within each part stays
 
 
-_probe_groups: list = []  # the session's tests.support.ProbeGroup, while one is up
+_probe_group = None  # the session's tests.support.ProbeGroup, once `probes` started one
 
 
 def _close_probe_group() -> None:
-    while _probe_groups:
-        group = _probe_groups.pop()
-        if group.alive:
-            group.close()
+    global _probe_group
+    group, _probe_group = _probe_group, None
+    if group is not None and group.alive:
+        group.close()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -103,10 +103,10 @@ def probes(tmp_path_factory):
     storage = tmp_path_factory.mktemp("probe-group")
 
     def call(fn):
-        if not (_probe_groups and _probe_groups[-1].alive):
-            _close_probe_group()
-            _probe_groups.append(ProbeGroup(storage, 2))
-        return _probe_groups[-1].call(fn)
+        global _probe_group
+        if _probe_group is None or not _probe_group.alive:  # none yet, or the last one's probe raised
+            _probe_group = ProbeGroup(storage, 2)
+        return _probe_group.call(fn)
 
     yield call
     _close_probe_group()

@@ -23,9 +23,7 @@ from tests.support import restore_probe, tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-KILL_AT = (
-    5  # rank 1 dies before step 6 (5 steps done); the last checkpoint was at step 4, the one before at 2
-)
+KILL_AT = 5  # rank 1 dies before step 6 (5 steps done); the last checkpoints were at steps 4 and 2
 VISION_LR = "train.vision_lr=5e-4"  # the vision tower and aligner on a schedule of their own
 
 

@@ -10,6 +10,16 @@
    `raylora.worker.setup` and `raylora.worker.train_step` directly; same model, config and batches.
 
 Runs alternate (1, 2, 3, 1, 2, 3, ...) so that load from other work on the machine hits all three.
+
+4. `in_worker`: where the difference sits, measured so that the machine's drift cancels. On this shared
+   machine a whole run's speed moves by up to 2x from one minute to the next, more than the difference
+   looked for. So two process pairs are up at once, Ray Train workers (a probe group) and plain
+   processes, each after the same setup and warm-up steps, and they take turns: blocks of `train_step`
+   calls, one side's block, then the other's, while the side whose turn it is not waits (rank 0 polls a
+   file every 5 ms, the other ranks wait in a gloo barrier). Each pair of adjacent blocks gives a ratio.
+   Without reports, checkpoints or the controller's work for a run, it isolates what running inside a
+   Ray Train worker process costs `train_step` itself; with each block, the training thread's and the
+   whole process's context switches (/proc).
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +58,149 @@ def plain_worker(rank: int, world: int, port: int, cfg, steps: int, out: str) ->
         Path(out).write_text(json.dumps({"times": times, "threads": torch.get_num_threads()}))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _switches(path: str) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches of the thread or process whose /proc status is `path`."""
+    fields = dict(line.split(":\t") for line in Path(path).read_text().splitlines() if ":\t" in line)
+    return int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"])
+
+
+def _process_switches() -> int:
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            total += sum(_switches(str(task / "status")))
+        except FileNotFoundError:  # a thread that ended meanwhile
+            pass
+    return total
+
+
+def take_turns(side: str, sides: tuple[str, str], turn: str, cfg, blocks: int, n: int) -> list[dict]:
+    """One side of `in_worker` (module docstring), on every rank: setup and 3 warm-up steps, then, once
+    both sides are ready, `blocks` blocks of `n` train_steps, each when the file `turn` says this side
+    and block, handing the turn on after it. Returns (rank 0's) each block's seconds and context
+    switches: the training thread's (voluntary, involuntary) and all threads' of the process."""
+    import torch.distributed as dist
+
+    from raylora import worker
+
+    def wait_for(ok, what: str) -> None:
+        deadline = time.monotonic() + 900
+        while not ok():
+            if Path(turn).read_text() == "failed":
+                raise RuntimeError("the other side of in_worker failed")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"in_worker: no {what} after 900 s")
+            time.sleep(0.005)
+
+    s = worker.setup(cfg, None)
+    for _ in range(3):
+        worker.train_step(s)
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        Path(f"{turn}.{side}").touch()
+        wait_for(lambda: all(Path(f"{turn}.{x}").exists() for x in sides), "ready side")
+    first, other = sides.index(side) == 0, sides[1 - sides.index(side)]
+    rows = []
+    for block in range(blocks):
+        if rank0:
+            mine = f"{side}:{block}"
+            wait_for(lambda mine=mine: Path(turn).read_text() == mine, f"turn {mine}")
+        dist.barrier()
+        thread, process = _switches("/proc/thread-self/status"), _process_switches()
+        start = time.perf_counter()
+        for _ in range(n):
+            worker.train_step(s)
+        dist.barrier()
+        seconds = time.perf_counter() - start
+        after = _switches("/proc/thread-self/status")
+        rows.append(
+            {
+                "seconds": seconds,
+                "thread_switches": [a - b for a, b in zip(after, thread, strict=True)],
+                "process_switches": _process_switches() - process,
+            }
+        )
+        if rank0:
+            Path(turn + ".next").write_text(f"{other}:{block if first else block + 1}")
+            os.replace(turn + ".next", turn)
+    return rows
+
+
+def _plain_turns(rank: int, world: int, port: int, cfg, blocks: int, n: int, turn: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(THREADS)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows = take_turns("plain", SIDES, turn, cfg, blocks, n)
+    except BaseException:
+        Path(turn).write_text("failed")
+        raise
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+SIDES = ("ray", "plain")
+
+
+def in_worker(work: Path, cfg, blocks: int, n: int) -> dict:
+    """`train_step` in Ray Train workers against plain processes, blocks taking turns (module docstring)."""
+    import torch.multiprocessing as mp
+
+    work.mkdir(parents=True, exist_ok=True)
+    turn, out = str(work / "turn"), work / "turns-plain.json"
+    for leftover in work.glob("turn*"):
+        leftover.unlink()
+    Path(turn).write_text(f"{SIDES[0]}:0")
+    got: dict = {}
+
+    def ray_side() -> None:
+        try:
+            got["ray"] = common.on_workers(
+                lambda: take_turns("ray", SIDES, turn, cfg, blocks, n), work / "ray", "throughput-turns"
+            )
+        except BaseException as err:
+            got["error"] = err
+            Path(turn).write_text("failed")
+
+    thread = threading.Thread(target=ray_side, name="in-worker-ray-side")
+    thread.start()
+    try:
+        mp.spawn(_plain_turns, args=(2, common.free_port(), cfg, blocks, n, turn, str(out)), nprocs=2)
+    finally:
+        thread.join()
+    if "error" in got:
+        raise RuntimeError(f"in_worker: the Ray side failed: {got['error']!r}")
+    rows = {"ray": got["ray"], "plain": json.loads(out.read_text())}
+    rates = {side: [n / r["seconds"] for r in rows[side]] for side in SIDES}
+    per_block = [r / p for r, p in zip(rates["ray"], rates["plain"], strict=True)]
+
+    def per_step(side: str, key) -> float:
+        return common.median([key(r) / n for r in rows[side]])
+
+    return {
+        "blocks": blocks,
+        "steps_per_block": n,
+        "ray_worker_steps_per_s": common.summary(rates["ray"]),
+        "plain_process_steps_per_s": common.summary(rates["plain"]),
+        "ray_over_plain_per_block": per_block,
+        "ray_over_plain": common.median(per_block),
+        "context_switches_per_step_rank0": {
+            side: {
+                "training_thread_voluntary": per_step(side, lambda r: r["thread_switches"][0]),
+                "training_thread_involuntary": per_step(side, lambda r: r["thread_switches"][1]),
+                "all_threads_of_the_process": per_step(side, lambda r: r["process_switches"]),
+            }
+            for side in SIDES
+        },
+    }
 
 
 def rate(times: list[float], warmup: int) -> float:
@@ -138,6 +292,10 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         samples["plain"].append(rate(times, warmup))
         add_cores("plain", sampler, times)
 
+    blocks, per_block = (2, 2) if args.tiny else (12, 15)
+    turns_cfg = cfg(f"turns-w{width}", f"train.max_steps={3 + blocks * per_block}")
+    turns = in_worker(work / f"turns-w{width}", turns_cfg, blocks, per_block)
+
     med = {k: common.median(v) for k, v in samples.items()}
     figures = {
         "raylora_steps_per_s": common.summary(samples["raylora"]),
@@ -150,6 +308,7 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         },
         "plain_seconds_per_step": 1 / med["plain"],
         "ray_seconds_added_per_step": 1 / med["raylora"] - 1 / med["plain"],
+        "in_worker": turns,
     }
     ratios = {
         "raylora_over_plain": med["raylora"] / med["plain"],
@@ -238,6 +397,11 @@ def main() -> None:
                 "The Ray here is raylora's own local one (init_ray: no preemption watcher, no metrics "
                 "export); the plain loop runs beside the same, idle, Ray. cores_while_training splits "
                 "Ray's processes by kind; a group's cores divided by the steps/s is its CPU per step.",
+                "in_worker: train_step in Ray Train workers against plain processes, both pairs up at once "
+                "and taking turns block by block (module docstring); ray_over_plain is the median of the "
+                "adjacent blocks' ratios. It leaves out what a run adds around train_step (reports, the "
+                "controller's polls for a run's reports, checkpoints), and the side waiting for its turn "
+                "idles (its rank 0 polls a file every 5 ms) while the other trains.",
             ],
         },
     )

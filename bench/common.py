@@ -516,3 +516,72 @@ def peak_rss_bytes() -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+class Turns:
+    """Two process groups, both up, taking turns on the machine block by block, so that a comparison of
+    the two is not swamped by the machine's drift (on this shared machine a whole run's speed moves by
+    up to 2x from one minute to the next). The file at `path` names whose block is next ("side:block");
+    each side's rank 0 polls it every 5 ms while the other side trains, and its other ranks wait in a
+    barrier (gloo's wait sleeps). Sides go in the order of `sides`, the first one first in each block.
+    Every rank of a side calls each method at the same points; `torch.distributed` is set up.
+    """
+
+    def __init__(self, path: str | Path, sides: tuple[str, str], side: str) -> None:
+        self.path, self.sides, self.side = str(path), sides, side
+        self.other = sides[1 - sides.index(side)]
+        self.first = sides.index(side) == 0
+
+    @staticmethod
+    def start(path: str | Path, sides: tuple[str, str]) -> None:
+        """Before either side starts: leftovers of an earlier comparison removed, the first block given."""
+        path = Path(path)
+        for leftover in path.parent.glob(path.name + "*"):
+            leftover.unlink()
+        path.write_text(f"{sides[0]}:0")
+
+    def _rank0(self) -> bool:
+        import torch.distributed as dist
+
+        return dist.get_rank() == 0
+
+    def _wait(self, ok, what: str, timeout_s: float = 900) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ok():
+            if Path(self.path).read_text() == "failed":
+                raise RuntimeError(f"{self.other}, the other side of the comparison, failed")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.side}: no {what} after {timeout_s:.0f} s")
+            time.sleep(0.005)
+
+    def ready(self) -> None:
+        """This side has set up and warmed up: wait until the other has too."""
+        if self._rank0():
+            Path(f"{self.path}.{self.side}").touch()
+            self._wait(lambda: all(Path(f"{self.path}.{s}").exists() for s in self.sides), "ready side")
+
+    def wait(self, block: int) -> None:
+        """Until it is this side's turn for `block`."""
+        import torch.distributed as dist
+
+        if self._rank0():
+            mine = f"{self.side}:{block}"
+            self._wait(lambda: Path(self.path).read_text() == mine, f"turn {mine}")
+        dist.barrier()
+
+    def done(self, block: int, record=None) -> None:
+        """This side's `block` has ended on every rank (then `record()`, to time it before the other side
+        starts): the turn goes to the other side."""
+        import torch.distributed as dist
+
+        dist.barrier()
+        if record is not None:
+            record()
+        if self._rank0():
+            tmp = f"{self.path}.next"
+            Path(tmp).write_text(f"{self.other}:{block if self.first else block + 1}")
+            os.replace(tmp, self.path)
+
+    def fail(self) -> None:
+        """Tell the other side that this one failed, so that it stops waiting."""
+        Path(self.path).write_text("failed")

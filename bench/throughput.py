@@ -76,55 +76,38 @@ def _process_switches() -> int:
     return total
 
 
-def take_turns(side: str, sides: tuple[str, str], turn: str, cfg, blocks: int, n: int) -> list[dict]:
-    """One side of `in_worker` (module docstring), on every rank: setup and 3 warm-up steps, then, once
-    both sides are ready, `blocks` blocks of `n` train_steps, each when the file `turn` says this side
-    and block, handing the turn on after it. Returns (rank 0's) each block's seconds and context
-    switches: the training thread's (voluntary, involuntary) and all threads' of the process."""
-    import torch.distributed as dist
-
+def take_turns(side: str, turn: str, cfg, blocks: int, n: int) -> list[dict]:
+    """One side of `in_worker` (module docstring), on every rank: setup and 3 warm-up steps, then
+    `blocks` blocks of `n` train_steps taking turns with the other side (`common.Turns`). Returns (rank
+    0's) each block's seconds and context switches: the training thread's (voluntary, involuntary) and
+    all threads' of the process."""
     from raylora import worker
 
-    def wait_for(ok, what: str) -> None:
-        deadline = time.monotonic() + 900
-        while not ok():
-            if Path(turn).read_text() == "failed":
-                raise RuntimeError("the other side of in_worker failed")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"in_worker: no {what} after 900 s")
-            time.sleep(0.005)
-
+    turns = common.Turns(turn, SIDES, side)
     s = worker.setup(cfg, None)
     for _ in range(3):
         worker.train_step(s)
-    rank0 = dist.get_rank() == 0
-    if rank0:
-        Path(f"{turn}.{side}").touch()
-        wait_for(lambda: all(Path(f"{turn}.{x}").exists() for x in sides), "ready side")
-    first, other = sides.index(side) == 0, sides[1 - sides.index(side)]
+    turns.ready()
     rows = []
     for block in range(blocks):
-        if rank0:
-            mine = f"{side}:{block}"
-            wait_for(lambda mine=mine: Path(turn).read_text() == mine, f"turn {mine}")
-        dist.barrier()
+        turns.wait(block)
         thread, process = _switches("/proc/thread-self/status"), _process_switches()
         start = time.perf_counter()
         for _ in range(n):
             worker.train_step(s)
-        dist.barrier()
-        seconds = time.perf_counter() - start
-        after = _switches("/proc/thread-self/status")
-        rows.append(
-            {
-                "seconds": seconds,
-                "thread_switches": [a - b for a, b in zip(after, thread, strict=True)],
-                "process_switches": _process_switches() - process,
-            }
-        )
-        if rank0:
-            Path(turn + ".next").write_text(f"{other}:{block if first else block + 1}")
-            os.replace(turn + ".next", turn)
+
+        def record(start=start, thread=thread, process=process) -> None:
+            seconds = time.perf_counter() - start
+            after = _switches("/proc/thread-self/status")
+            rows.append(
+                {
+                    "seconds": seconds,
+                    "thread_switches": [a - b for a, b in zip(after, thread, strict=True)],
+                    "process_switches": _process_switches() - process,
+                }
+            )
+
+        turns.done(block, record)
     return rows
 
 
@@ -137,9 +120,9 @@ def _plain_turns(rank: int, world: int, port: int, cfg, blocks: int, n: int, tur
     torch.set_num_threads(THREADS)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        rows = take_turns("plain", SIDES, turn, cfg, blocks, n)
+        rows = take_turns("plain", turn, cfg, blocks, n)
     except BaseException:
-        Path(turn).write_text("failed")
+        common.Turns(turn, SIDES, "plain").fail()
         raise
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -156,19 +139,17 @@ def in_worker(work: Path, cfg, blocks: int, n: int) -> dict:
 
     work.mkdir(parents=True, exist_ok=True)
     turn, out = str(work / "turn"), work / "turns-plain.json"
-    for leftover in work.glob("turn*"):
-        leftover.unlink()
-    Path(turn).write_text(f"{SIDES[0]}:0")
+    common.Turns.start(turn, SIDES)
     got: dict = {}
 
     def ray_side() -> None:
         try:
             got["ray"] = common.on_workers(
-                lambda: take_turns("ray", SIDES, turn, cfg, blocks, n), work / "ray", "throughput-turns"
+                lambda: take_turns("ray", turn, cfg, blocks, n), work / "ray", "throughput-turns"
             )
         except BaseException as err:
             got["error"] = err
-            Path(turn).write_text("failed")
+            common.Turns(turn, SIDES, "ray").fail()
 
     thread = threading.Thread(target=ray_side, name="in-worker-ray-side")
     thread.start()

@@ -184,18 +184,52 @@ def _worker(rank: int, port: int, job: dict) -> None:
         def on_train_end(self, args, state, control, **kwargs):
             self.peak = common.peak_rss_bytes()
 
+    class TakeTurns(transformers.TrainerCallback):
+        """With job["turns"] (`common.Turns`): after `warmup` steps, blocks of `n` steps taking turns
+        with the other side; each block's seconds and useful tokens (all ranks)."""
+
+        def __init__(self, path: str, sides: list[str], warmup: int, n: int) -> None:
+            self.turns = common.Turns(path, tuple(sides), "hf_trainer")
+            self.warmup, self.n, self.blocks = warmup, n, []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            done = state.global_step - self.warmup
+            if done < 0 or done % self.n:
+                return
+            if done:
+                block = done // self.n - 1
+                self.turns.done(block, lambda: self.blocks.append(
+                    {"seconds": time.perf_counter() - self.start,
+                     "tokens": state.num_input_tokens_seen - self.tokens}
+                ))  # fmt: skip
+            else:
+                self.turns.ready()
+            if state.global_step < state.max_steps:
+                self.turns.wait(done // self.n)
+                self.start, self.tokens = time.perf_counter(), state.num_input_tokens_seen
+
     clock_cb = StepClock()
+    callbacks = [clock_cb]
+    if job.get("turns"):
+        callbacks.append(TakeTurns(**job["turns"]))
     trainer = transformers.Trainer(
         model=model,
         args=args,
         train_dataset=kept,
         data_collator=collate_rows,
-        callbacks=[clock_cb],
+        callbacks=callbacks,
     )
-    trainer.train()
+    try:
+        trainer.train()
+    except BaseException:
+        if job.get("turns"):
+            callbacks[-1].turns.fail()
+        raise
     # the micro batches the steps trained on: the first ones collated (the loader collates one ahead)
     used = passes[: job["steps"] * ACCUM]
     result = {"steps": clock, "peak_rss_bytes": clock_cb.peak, "passes": used}
+    if job.get("turns"):
+        result["blocks"] = callbacks[-1].blocks
     Path(f"{job['out']}-{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -211,6 +245,7 @@ def hf_trainer_run(
     group_by_length: bool,
     max_pixels: int | None,
     counted: list[tuple[int, int]] | None = None,
+    turns: dict | None = None,
 ) -> dict:
     """Useful tokens per second of `steps` Trainer steps after `warmup` (2 CPU processes, ZeRO-3), the
     largest peak resident memory of a rank, the padding share of the timed steps' positions, the rows
@@ -238,6 +273,8 @@ def hf_trainer_run(
         "rows": kept,
         "lengths": [lengths[i] for i in kept],
         "out": str(out),
+        # taking turns with another side (`common.Turns`): {"path", "sides", "warmup", "n"}
+        "turns": turns,
     }
     mp.spawn(_worker, args=(common.free_port(), job), nprocs=WORLD)
     ranks = [json.loads(Path(f"{out}-{r}.json").read_text()) for r in range(WORLD)]
@@ -256,4 +293,5 @@ def hf_trainer_run(
         "skipped_too_long": sum(n > MAX_LENGTH for n in lengths),
         "left_out_without_image": sum(n <= MAX_LENGTH and images == 0 for n, images in counted),
         "steps": rows,
+        **({"blocks": ranks[0]["blocks"]} if turns else {}),
     }

@@ -286,6 +286,28 @@ def _steps(rank: int, world: int, cfg, steps: int, out: str) -> None:
 
 
 HF_MEGABATCH_STEPS = 8  # the Trainer's LengthGroupedSampler sorts groups of 16 x 8 samples: 8 steps of 16
+MICRO, MAX_LENGTH = 4, 384  # the measured steps' micro batch size and data.max_length
+
+
+def _mix(args, kind: str, work: Path) -> tuple[str, int, str, str, int | None]:
+    """The tiny model and the chat JSONL of mix `kind` that the measured steps train on: (arch, width,
+    model folder, data file, data.max_pixels)."""
+    arch = "llava" if kind == "llava_instruct" else "qwen2_vl"
+    width = 64 if args.tiny else MEASURE_WIDTH
+    model = common.tiny_model(args.work, width, MEASURE_LAYERS, arch)
+    data = write_mix(work / kind, kind, 512, np.random.default_rng(SEED))
+    max_pixels = 4096 if arch == "qwen2_vl" else None  # Llava resizes every image to one size
+    return arch, width, model, data, max_pixels
+
+
+def _trainer_rows_file(data: str, counted: list[tuple[int, int]]) -> str:
+    """`data`'s rows that the HF Trainer trains on (`hf_trainer_steps.trainer_rows`), as a file beside it."""
+    from hf_trainer_steps import trainer_rows
+
+    lines = Path(data).read_text().splitlines()
+    path = Path(data).with_name("trainer_rows.jsonl")
+    path.write_text("".join(lines[i] + "\n" for i in trainer_rows(counted)))
+    return str(path)
 
 
 def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool = True) -> dict:
@@ -305,12 +327,8 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
     from tests.support import tiny_run_config
 
     work = Path(args.work) / "padding"
-    arch = "llava" if kind == "llava_instruct" else "qwen2_vl"
-    width = 64 if args.tiny else MEASURE_WIDTH
-    model = common.tiny_model(args.work, width, MEASURE_LAYERS, arch)
-    data = write_mix(work / kind, kind, 512, np.random.default_rng(SEED))
-    micro, max_length = 4, 384
-    max_pixels = 4096 if arch == "qwen2_vl" else None  # Llava resizes every image to one size
+    arch, width, model, data, max_pixels = _mix(args, kind, work)
+    micro, max_length = MICRO, MAX_LENGTH
     modes = {
         "padded": [],
         # train.group_by_length: steps of similar lengths, in groups of 8 steps as the Trainer's
@@ -324,15 +342,12 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
         # The Trainer trains only on rows up to max_length with an image (`trainer_rows`); raylora's steps
         # carry the rest as stand-ins (too long) and short text-only passes. So raylora is also measured
         # grouped on the Trainer's own rows: the same work on both sides.
-        from hf_trainer_steps import token_lengths, trainer_rows
+        from hf_trainer_steps import token_lengths
 
         from raylora.data.processor import load_processor
 
         counted = token_lengths(load_processor(model, max_pixels), data)  # the Trainer's runs reuse them
-        kept = trainer_rows(counted)
-        lines = Path(data).read_text().splitlines()
-        inputs["padded_grouped_trainer_rows"] = str(Path(data).with_name("trainer_rows.jsonl"))
-        Path(inputs["padded_grouped_trainer_rows"]).write_text("".join(lines[i] + "\n" for i in kept))
+        inputs["padded_grouped_trainer_rows"] = _trainer_rows_file(data, counted)
         modes["padded_grouped_trainer_rows"] = modes["padded_grouped"]
     samples: dict[str, list[float]] = {m: [] for m in modes}
     peaks: dict[str, list[int]] = {m: [] for m in modes}
@@ -409,10 +424,146 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
     return result
 
 
+TURN_SIDES = ("raylora", "hf_trainer")
+
+
+def _turn_steps(rank: int, world: int, port: int, cfg, warmup: int, blocks: int, n: int, turn: str, out: str):
+    """raylora's side of `turns`: `warmup` steps, then `blocks` blocks of `n` steps taking turns with the
+    Trainer (`common.Turns`); each block's seconds and useful tokens (all ranks) into `out` (rank 0)."""
+    import torch
+    import torch.distributed as dist
+
+    from raylora import worker
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)  # as a Ray worker holding 1 CPU
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    turns = common.Turns(turn, TURN_SIDES, "raylora")
+    rows = []
+    try:
+        s = worker.setup(cfg, None)
+        for _ in range(warmup):
+            worker.train_step(s)
+        turns.ready()
+        for block in range(blocks):
+            turns.wait(block)
+            start, tokens = time.perf_counter(), 0.0
+            for _ in range(n):
+                metrics = worker.train_step(s)
+                tokens += metrics["tokens_per_s"] * cfg.train.global_batch_size / metrics["samples_per_s"]
+            turns.done(block, lambda start=start, tokens=tokens: rows.append(
+                {"seconds": time.perf_counter() - start, "tokens": tokens}
+            ))  # fmt: skip
+    except BaseException:
+        turns.fail()
+        raise
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def turns(args, kind: str, warmup: int, blocks: int, n: int) -> dict:
+    """raylora grouped by length against the HF Trainer (group_by_length) on the rows the Trainer trains
+    on, as `measure` runs them, but both up at once and taking turns block by block (`common.Turns`):
+    a ratio of useful tokens per second for each pair of adjacent blocks, so that the machine's drift
+    (which moves a whole run by up to 2x here) cancels. Blocks of `HF_MEGABATCH_STEPS` steps span whole
+    length groups on both sides (the Trainer sorts each group of 8 steps longest first)."""
+    import torch.multiprocessing as mp
+    from hf_trainer_steps import hf_trainer_run, token_lengths
+
+    from raylora.data.processor import load_processor
+    from tests.support import tiny_run_config
+
+    work = Path(args.work) / "padding-turns"
+    arch, width, model, data, max_pixels = _mix(args, kind, work)
+    counted = token_lengths(load_processor(model, max_pixels), data)
+    steps = warmup + blocks * n
+    cfg = tiny_run_config(
+        model,
+        _trainer_rows_file(data, counted),
+        work / "runs",
+        f"{kind}-turns",
+        "data.workers=0",
+        f"train.max_steps={steps}",
+        "train.global_batch_size=16",
+        f"train.micro_batch_size={MICRO}",
+        f"data.max_length={MAX_LENGTH}",
+        *([f"data.max_pixels={max_pixels}"] if max_pixels else []),
+        "train.group_by_length=true",
+    )
+    turn, out = work / f"{kind}-turn", work / f"{kind}-raylora-blocks.json"
+    common.Turns.start(turn, TURN_SIDES)
+    raylora_side = mp.spawn(
+        _turn_steps,
+        args=(2, common.free_port(), cfg, warmup, blocks, n, str(turn), str(out)),
+        nprocs=2,
+        join=False,
+    )
+    try:
+        hf = hf_trainer_run(
+            model, data, work / "hf", arch, steps, warmup, True, max_pixels, counted,
+            turns={"path": str(turn), "sides": list(TURN_SIDES), "warmup": warmup, "n": n},
+        )  # fmt: skip
+    finally:
+        while not raylora_side.join():
+            pass
+    rows = {"raylora": json.loads(out.read_text()), "hf_trainer": hf["blocks"]}
+    rates = {side: [r["tokens"] / r["seconds"] for r in rows[side]] for side in TURN_SIDES}
+    per_block = [r / h for r, h in zip(rates["raylora"], rates["hf_trainer"], strict=True)]
+    return {
+        "model": f"tiny {arch} width {width}, {MEASURE_LAYERS}+{MEASURE_LAYERS} layers",
+        "setup": {"warmup_steps": warmup, "blocks": blocks, "steps_per_block": n, "micro_batch_size": MICRO},
+        "useful_tokens_per_s": {side: common.summary(v) for side, v in rates.items()},
+        "raylora_grouped_over_hf_trainer_per_block": per_block,
+        "raylora_grouped_over_hf_trainer": common.median(per_block),
+        "blocks_raylora_ahead": sum(q > 1 for q in per_block),
+    }
+
+
 def main() -> None:
     p = common.parser(__doc__)
     p.add_argument("--steps", type=int, default=None, help="steps per measured run (default 24, --tiny 3)")
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        metavar="BLOCKS",
+        help="instead: raylora grouped and the HF Trainer taking turns in BLOCKS blocks of 8 steps on both "
+        "mixes (`turns`), written to padding_turns.json",
+    )
     args = p.parse_args()
+    if args.turns:
+        warmup, n = (1, 2) if args.tiny else (HF_MEGABATCH_STEPS, HF_MEGABATCH_STEPS)
+        results = {kind: turns(args, kind, warmup, args.turns, n) for kind in ("llava_instruct", "qwen2_vl")}
+        common.write_result(
+            args,
+            "padding_turns",
+            {
+                "mixes": results,
+                "goal": {
+                    "text": "raylora (train.group_by_length) ahead of the HF Trainer (group_by_length) in "
+                    "useful tokens per second, padded, on the rows the Trainer trains on (issue 22, part 4)",
+                    "met": all(r["raylora_grouped_over_hf_trainer"] > 1 for r in results.values()),
+                },
+                "notes": [
+                    "Both sides up at once, taking turns block by block (bench/common.py Turns): the side "
+                    "waiting for its turn idles (its rank 0 polls a file every 5 ms). Each block's ratio is "
+                    "of the raylora block and the Trainer block after it.",
+                    "Useful tokens: raylora's, the non-padding positions its passes compute (train_step's "
+                    "tokens_per_s); the Trainer's, include_num_input_tokens_seen='non_padding'. The two "
+                    "sides train on different samples per block (each its own length grouping), so a "
+                    "block's ratio is of rates, not of times.",
+                ],
+            },
+        )
+        print(
+            json.dumps(
+                {k: r["raylora_grouped_over_hf_trainer_per_block"] for k, r in results.items()}, indent=1
+            )
+        )
+        return
     steps, n = (10, 2_000) if args.tiny else (STEPS, SAMPLES)
     rng = np.random.default_rng(SEED)
     llava = config.load("jobs/llava-1.5-7b.yaml", [])

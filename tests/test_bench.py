@@ -122,3 +122,66 @@ def test_padding_runs_tiny(smoke):
         assert all(v["median"] > 0 for v in measured["useful_tokens_per_s"].values()), kind
         share = measured["padding_share"]
         assert share["packed"] == 0 < share["padded_grouped"] < share["padded"], (kind, share)
+
+
+def _take_turns(side: str, path: str, blocks: int, log: str, fail_at: int | None) -> None:
+    """One side of test_turns_alternate_block_by_block: a process group of its own (gloo, 1 rank)."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import common
+
+    dist.init_process_group("gloo", init_method=f"file://{path}.{side}.store", rank=0, world_size=1)
+    turns = common.Turns(path, ("first", "second"), side)
+    try:
+        turns.ready()
+        for block in range(blocks):
+            turns.wait(block)
+            if block == fail_at:
+                raise RuntimeError(f"{side} fails in block {block}")
+            with open(log, "a") as f:
+                f.write(f"{side}:{block}\n")
+            turns.done(block)
+    except BaseException:
+        turns.fail()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_turns_alternate_block_by_block(tmp_path):
+    """bench/common.py `Turns`, which the in_worker and padding --turns comparisons rest on: two process
+    groups never train at once and alternate strictly, the first side first in each block; a side that
+    fails stops the other instead of leaving it waiting."""
+    import multiprocessing
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import common
+
+    ctx = multiprocessing.get_context("spawn")
+
+    def run(fail_at: int | None) -> tuple[list[str], list[int]]:
+        path, log = str(tmp_path / f"turn-{fail_at}"), tmp_path / f"log-{fail_at}"
+        common.Turns.start(path, ("first", "second"))
+        procs = [
+            ctx.Process(
+                target=_take_turns, args=(side, path, 3, str(log), fail_at if side == "second" else None)
+            )
+            for side in ("second", "first")  # started out of order: the file decides who goes first
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        codes = [p.exitcode for p in procs]  # None: still waiting after 120 s
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        return (log.read_text().split() if log.exists() else []), codes
+
+    order, codes = run(None)
+    assert codes == [0, 0]
+    assert order == ["first:0", "second:0", "first:1", "second:1", "first:2", "second:2"]
+    order, codes = run(1)  # the second side fails in its second block; the first stops waiting for it
+    assert order == ["first:0", "second:0", "first:1"]
+    assert codes[0] != 0 and codes[1] != 0 and None not in codes

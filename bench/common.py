@@ -518,6 +518,21 @@ def peak_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+PLAIN_THREADS = 1  # Ray sets OMP_NUM_THREADS=1 for a worker that holds 1 CPU; the plain processes match it
+
+
+def plain_process_group(rank: int, world: int, port: int) -> None:
+    """A rank of the loop without Ray (torch.multiprocessing): the environment variables Ray Train sets,
+    one intra-op thread as Ray gives a worker holding 1 CPU (OMP_NUM_THREADS=1), gloo on 127.0.0.1."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(PLAIN_THREADS)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
 class Turns:
     """Two process groups, both up, taking turns on the machine block by block, so that a comparison of
     the two is not swamped by the machine's drift (on this shared machine a whole run's speed moves by

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import common
 
 from tests.support import tiny_run_config
 
-THREADS = 1  # as bench/throughput.py's plain loop: a Ray worker holding 1 CPU gets OMP_NUM_THREADS=1
+THREADS = common.PLAIN_THREADS  # each plain process, as a Ray worker holding 1 CPU
 WAYS = ("zero3", "copy")
 
 
@@ -112,13 +111,9 @@ def measure(s, samples: int, reps: int, counter, gathered, forwards: list[int]) 
 
 
 def plain_worker(rank: int, world: int, port: int, cfg, samples: int, reps: int, out: str) -> None:
-    import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(THREADS)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    common.plain_process_group(rank, world, port)
     from raylora import evaluate, worker, zero
 
     forwards = [0]  # calls of the Hugging Face model's forward on this rank, ZeRO-3's and the copy's

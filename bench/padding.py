@@ -30,7 +30,6 @@ over the timed steps (VmHWM, reset after setup).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -242,16 +241,17 @@ def step_worker(rank: int, world: int, port: int, cfgs: list, steps: int, outs: 
     """One rank of raylora's step without Ray (bench/throughput.py's loop), for each config of `cfgs` in
     turn (one, but for --tiny: starting the processes costs more than its steps): per step its time and
     the useful tokens train_step counted; the peak resident memory over the steps."""
-    import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)  # as a Ray worker holding 1 CPU
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    common.plain_process_group(rank, world, port)
     for cfg, out in zip(cfgs, outs, strict=True):
         _steps(rank, world, cfg, steps, out)
     dist.destroy_process_group()
+
+
+def step_tokens(metrics: dict, cfg) -> float:
+    """A step's non-padding positions over all ranks: train_step's tokens_per_s times its time."""
+    return metrics["tokens_per_s"] * cfg.train.global_batch_size / metrics["samples_per_s"]
 
 
 def _steps(rank: int, world: int, cfg, steps: int, out: str) -> None:
@@ -265,9 +265,7 @@ def _steps(rank: int, world: int, cfg, steps: int, out: str) -> None:
     for _ in range(steps):
         start = time.perf_counter()
         metrics = worker.train_step(s)
-        # the step's non-padding positions over all ranks (train_step's tokens_per_s times its time)
-        tokens = metrics["tokens_per_s"] * cfg.train.global_batch_size / metrics["samples_per_s"]
-        rows.append({"seconds": time.perf_counter() - start, "tokens": tokens})
+        rows.append({"seconds": time.perf_counter() - start, "tokens": step_tokens(metrics, cfg)})
     peaks = [None] * world
     dist.all_gather_object(peaks, common.peak_rss_bytes())
     # the positions the steps' passes computed, padding included, and the real ones (after the timing)
@@ -430,15 +428,11 @@ TURN_SIDES = ("raylora", "hf_trainer")
 def _turn_steps(rank: int, world: int, port: int, cfg, warmup: int, blocks: int, n: int, turn: str, out: str):
     """raylora's side of `turns`: `warmup` steps, then `blocks` blocks of `n` steps taking turns with the
     Trainer (`common.Turns`); each block's seconds and useful tokens (all ranks) into `out` (rank 0)."""
-    import torch
     import torch.distributed as dist
 
     from raylora import worker
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)  # as a Ray worker holding 1 CPU
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    common.plain_process_group(rank, world, port)
     turns = common.Turns(turn, TURN_SIDES, "raylora")
     rows = []
     try:
@@ -451,7 +445,7 @@ def _turn_steps(rank: int, world: int, port: int, cfg, warmup: int, blocks: int,
             start, tokens = time.perf_counter(), 0.0
             for _ in range(n):
                 metrics = worker.train_step(s)
-                tokens += metrics["tokens_per_s"] * cfg.train.global_batch_size / metrics["samples_per_s"]
+                tokens += step_tokens(metrics, cfg)
             turns.done(block, lambda start=start, tokens=tokens: rows.append(
                 {"seconds": time.perf_counter() - start, "tokens": tokens}
             ))  # fmt: skip

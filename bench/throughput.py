@@ -36,17 +36,14 @@ import common
 from raylora.demo import DEMO_SETTINGS, DEMO_WIDTH
 from tests.support import tiny_run_config
 
-THREADS = 1  # Ray sets OMP_NUM_THREADS=1 for a worker that holds 1 CPU; the plain processes match it
+THREADS = common.PLAIN_THREADS  # each plain process, as a Ray worker holding 1 CPU
 
 
 def plain_worker(rank: int, world: int, port: int, cfg, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(THREADS)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    common.plain_process_group(rank, world, port)
     from raylora import worker
 
     s = worker.setup(cfg, None)
@@ -112,13 +109,9 @@ def take_turns(side: str, turn: str, cfg, blocks: int, n: int) -> list[dict]:
 
 
 def _plain_turns(rank: int, world: int, port: int, cfg, blocks: int, n: int, turn: str, out: str) -> None:
-    import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(THREADS)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    common.plain_process_group(rank, world, port)
     try:
         rows = take_turns("plain", turn, cfg, blocks, n)
     except BaseException:

@@ -44,19 +44,37 @@ def straight(ray_cluster, tiny_models, digits, tmp_path_factory):
     return storage, _final(result)
 
 
-def _kill_random_workers(
-    run_dir: Path, times: int, stop: threading.Event, seed: int = 7, after_attempt: int = 0
-) -> list[int]:
-    """Kill a random live Ray Train worker at a random moment of each of `times` worker groups, the
-    first of them the group that starts after attempt `after_attempt`.
+def _alive_workers() -> set[int]:
+    """Pids of the live Ray Train workers on this driver's Ray (via its GCS), of every run on it."""
+    import ray
 
-    After each kill it waits for Ray to start a new worker group (the run folder's attempt count
-    rises) before the next one, so that every kill hits a different group.
+    return {
+        a["Pid"]
+        for a in ray._private.state.actors().values()
+        if a["ActorClassName"] == "RayTrainWorker" and a["State"] == "ALIVE" and a.get("Pid")
+    }
+
+
+def _kill_random_workers(
+    run_dir: Path,
+    times: int,
+    stop: threading.Event,
+    others: set[int],
+    seed: int = 7,
+    after_attempt: int = 0,
+    num_workers: int = 2,
+) -> list[int]:
+    """Kill a random live Ray Train worker of the run at a random moment of each of `times` worker
+    groups, the first of them the group that starts after attempt `after_attempt`.
+
+    `others` are the pids of workers that are not the run's (alive before it started): the shared
+    Ray also holds the session's probe group, whose two workers are Ray Train workers too, and a kill
+    of one of them costs the run nothing. After each kill it waits for Ray to start a new worker
+    group (the run folder's attempt count rises) before the next one, so that every kill hits a
+    different group.
     """
     import os
     import signal
-
-    import ray
 
     from raylora.progress import ATTEMPTS_FILE
 
@@ -76,16 +94,13 @@ def _kill_random_workers(
         # to run, about 2 s on 2 cores, and a kill after the run ended would miss.
         time.sleep(rng.uniform(0.3, 1.5))
         workers = []
-        for _ in range(50):  # the new group's actors may take a moment to be listed
-            workers = [
-                a["Pid"]
-                for a in ray._private.state.actors().values()  # this driver's cluster, via its GCS
-                if a["ActorClassName"] == "RayTrainWorker" and a["State"] == "ALIVE" and a.get("Pid")
-            ]
-            if len(workers) >= 2 or stop.is_set():
+        # the new group's actors may take a moment to be listed, and the last group's a moment to go
+        for _ in range(50):
+            workers = sorted(_alive_workers() - others)
+            if len(workers) == num_workers or stop.is_set():
                 break
             time.sleep(0.2)
-        if len(workers) < 2:
+        if len(workers) != num_workers:
             continue
         pid = rng.choice(workers)
         try:
@@ -112,11 +127,11 @@ def test_many_faults_in_one_run_end_bitwise_equal(straight, tiny_models, digits)
         "fault.kill_at_steps=3",
         "fault.kill_checkpoint_steps=6",
     )
-    stop, killed, errors = threading.Event(), [], []
+    stop, killed, errors, others = threading.Event(), [], [], _alive_workers()
 
     def killer_main():
         try:
-            killed.extend(_kill_random_workers(storage / "many", 1, stop, after_attempt=2))
+            killed.extend(_kill_random_workers(storage / "many", 1, stop, others, after_attempt=2))
         except Exception as err:  # surfaced below: a silent killer would make the test vacuous
             errors.append(repr(err))
 

@@ -458,12 +458,16 @@ def _turn_steps(rank: int, world: int, port: int, cfg, warmup: int, blocks: int,
     dist.destroy_process_group()
 
 
-def turns(args, kind: str, warmup: int, blocks: int, n: int) -> dict:
+def turns(args, kind: str, warmup: int, blocks: int, n: int, budget: bool = False) -> dict:
     """raylora grouped by length against the HF Trainer (group_by_length) on the rows the Trainer trains
     on, as `measure` runs them, but both up at once and taking turns block by block (`common.Turns`):
     a ratio of useful tokens per second for each pair of adjacent blocks, so that the machine's drift
     (which moves a whole run by up to 2x here) cancels. Blocks of `HF_MEGABATCH_STEPS` steps span whole
-    length groups on both sides (the Trainer sorts each group of 8 steps longest first)."""
+    length groups on both sides (the Trainer sorts each group of 8 steps longest first).
+
+    `budget`: raylora's micro batches cut by train.max_tokens_per_micro_batch at the padded micro batch's
+    worst case (MICRO x MAX_LENGTH positions, so the same memory bound), still padded; the Trainer's
+    side is unchanged."""
     import torch.multiprocessing as mp
     from hf_trainer_steps import hf_trainer_run, token_lengths
 
@@ -474,6 +478,7 @@ def turns(args, kind: str, warmup: int, blocks: int, n: int) -> dict:
     arch, width, model, data, max_pixels = _mix(args, kind, work)
     counted = token_lengths(load_processor(model, max_pixels), data)
     steps = warmup + blocks * n
+    overrides = [f"train.max_tokens_per_micro_batch={MICRO * MAX_LENGTH}"] if budget else []
     cfg = tiny_run_config(
         model,
         _trainer_rows_file(data, counted),
@@ -486,6 +491,7 @@ def turns(args, kind: str, warmup: int, blocks: int, n: int) -> dict:
         f"data.max_length={MAX_LENGTH}",
         *([f"data.max_pixels={max_pixels}"] if max_pixels else []),
         "train.group_by_length=true",
+        *overrides,
     )
     turn, out = work / f"{kind}-turn", work / f"{kind}-raylora-blocks.json"
     common.Turns.start(turn, TURN_SIDES)
@@ -508,7 +514,13 @@ def turns(args, kind: str, warmup: int, blocks: int, n: int) -> dict:
     per_block = [r / h for r, h in zip(rates["raylora"], rates["hf_trainer"], strict=True)]
     return {
         "model": f"tiny {arch} width {width}, {MEASURE_LAYERS}+{MEASURE_LAYERS} layers",
-        "setup": {"warmup_steps": warmup, "blocks": blocks, "steps_per_block": n, "micro_batch_size": MICRO},
+        "setup": {
+            "warmup_steps": warmup,
+            "blocks": blocks,
+            "steps_per_block": n,
+            "micro_batch_size": MICRO,
+            "raylora_overrides": ["train.group_by_length=true", *overrides],
+        },
         "useful_tokens_per_s": {side: common.summary(v) for side, v in rates.items()},
         "raylora_grouped_over_hf_trainer_per_block": per_block,
         "raylora_grouped_over_hf_trainer": common.median(per_block),
@@ -527,18 +539,27 @@ def main() -> None:
         help="instead: raylora grouped and the HF Trainer taking turns in BLOCKS blocks of 8 steps on both "
         "mixes (`turns`), written to padding_turns.json",
     )
+    p.add_argument(
+        "--budget",
+        action="store_true",
+        help="with --turns: raylora's padded micro batches cut by train.max_tokens_per_micro_batch "
+        "(MICRO x MAX_LENGTH), written to padding_turns_budgeted.json",
+    )
     args = p.parse_args()
     if args.turns:
         warmup, n = (1, 2) if args.tiny else (HF_MEGABATCH_STEPS, HF_MEGABATCH_STEPS)
-        results = {kind: turns(args, kind, warmup, args.turns, n) for kind in ("llava_instruct", "qwen2_vl")}
+        mixes = ("llava_instruct", "qwen2_vl")
+        results = {kind: turns(args, kind, warmup, args.turns, n, args.budget) for kind in mixes}
+        budget_text = f", train.max_tokens_per_micro_batch={MICRO * MAX_LENGTH}" if args.budget else ""
         common.write_result(
             args,
-            "padding_turns",
+            "padding_turns_budgeted" if args.budget else "padding_turns",
             {
                 "mixes": results,
                 "goal": {
-                    "text": "raylora (train.group_by_length) ahead of the HF Trainer (group_by_length) in "
-                    "useful tokens per second, padded, on the rows the Trainer trains on (issue 22, part 4)",
+                    "text": f"raylora (train.group_by_length{budget_text}) ahead of the HF Trainer "
+                    "(group_by_length) in useful tokens per second, padded, on the rows the Trainer "
+                    "trains on (issue 22, part 4)",
                     "met": all(r["raylora_grouped_over_hf_trainer"] > 1 for r in results.values()),
                 },
                 "notes": [

@@ -162,7 +162,8 @@ class TrainConfig:
     sort_by_length: bool = False
     """Without packing: order each rank's share of a step by sample length before cutting it into micro
     batches, so each pads to near its own samples' length (the same samples and loss; their grouping into
-    micro batches, and so the summation order and dropout noise, change)."""
+    micro batches, and so the summation order and dropout noise, change). Implied by
+    train.max_tokens_per_micro_batch without packing."""
     group_by_length: bool = False
     """Order each epoch so that every step's global batch holds samples of similar length (as the HF
     Trainer's group_by_length does): the shuffled epoch cut into groups of 50 steps' samples (a quarter
@@ -172,8 +173,12 @@ class TrainConfig:
     tokens of every row are counted once per run, by the workers at their start, and kept in the run's
     folder for its restarts."""
     max_tokens_per_micro_batch: int | None = None
-    """Tokens per packed pass (train.packing), image tokens included; required with packing. A sample
-    longer than it is skipped as too long (data.max_length, when set, must not exceed it)."""
+    """Tokens per pass, image tokens included; required with train.packing (a packed row's length).
+    Without packing: padded micro batches of at most this many positions (rows times their longest), each
+    rank's share sorted by length and cut longest first, so a pass holds more short samples than long
+    ones and a step of short samples runs fewer passes. Either way train.micro_batch_size then only sets
+    DeepSpeed's accumulation arithmetic, and a sample longer than it is skipped as too long
+    (data.max_length, when set, must not exceed it)."""
     deterministic: bool = True
     """Repeatable kernels on GPUs (raylora.determinism): torch's deterministic algorithms (an op that has
     none raises), a fixed cuBLAS workspace, deterministic cuDNN convolutions and attention backward, so a
@@ -285,6 +290,12 @@ class Config:
         """Whether layers recompute their activations: `train.gradient_checkpointing`, or on with GPUs."""
         on = self.train.gradient_checkpointing
         return self.scaling.use_gpu if on is None else on
+
+    @property
+    def uneven_passes(self) -> bool:
+        """Whether a step's pass count depends on its samples (packed, or padded under a token budget), so
+        that the ranks agree on the most any needs each step and a rank with fewer runs stand-ins."""
+        return self.train.packing or self.train.max_tokens_per_micro_batch is not None
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro batches per rank per step, so the global batch does not depend on the worker count: as
@@ -574,10 +585,11 @@ def _validate_memory(cfg: Config) -> None:
         )
     if t.packing and t.sort_by_length:
         raise ConfigError("train.sort_by_length is for padded micro batches; train.packing has no padding")
-    if t.packing and d.max_length is not None and d.max_length > t.max_tokens_per_micro_batch:
+    budget = t.max_tokens_per_micro_batch
+    if budget is not None and d.max_length is not None and d.max_length > budget:
         raise ConfigError(
-            f"data.max_length ({d.max_length}) exceeds train.max_tokens_per_micro_batch "
-            f"({t.max_tokens_per_micro_batch}): a sample that long would not fit in a packed pass"
+            f"data.max_length ({d.max_length}) exceeds train.max_tokens_per_micro_batch ({budget}): a "
+            f"sample that long would not fit in a {'packed' if t.packing else 'padded'} pass"
         )
     for key, value in {"data.max_length": d.max_length, "data.max_pixels": d.max_pixels}.items():
         if value is not None and value <= 0:

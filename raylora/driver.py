@@ -70,7 +70,7 @@ def preflight(cfg: Config) -> Architecture:
     processor = checked_processor(cfg, model_dir)
     if cfg.data.max_length is not None:
         check_max_length(processor, cfg.data.max_length)
-    if cfg.train.packing:
+    if cfg.train.max_tokens_per_micro_batch is not None:
         check_max_length(processor, cfg.train.max_tokens_per_micro_batch, "train.max_tokens_per_micro_batch")
     rows = open_rows(cfg.data.train, cfg.data.format, cfg.data.image_root)
     check_unread_fields(rows)

@@ -27,11 +27,13 @@ from raylora.arch import Architecture, for_model
 from raylora.config import Config
 from raylora.data import lengths, packing
 from raylora.data.batches import (
+    budgeted_micro_batches,
     check_max_length,
     limit_length,
     packed_passes,
     read,
     sorted_micro_batches,
+    stand_in_micro_batch,
     stand_in_pass,
 )
 from raylora.data.formats import BadRow, Rows, open_rows
@@ -76,9 +78,9 @@ class Setup:
     step: int = 0
     restarts: int = 0
     resumed: bool = False
-    # train.packing: the model's multimodal position function (None: one position per token), the
-    # process group the ranks agree on their pass counts in (CPU tensors: no wait on the GPU), and the
-    # pass a rank with fewer passes runs to stay in step
+    # train.packing: the model's multimodal position function (None: one position per token); packed or
+    # under a token budget (`Config.uneven_passes`): the process group the ranks agree on their pass counts
+    # in (CPU tensors: no wait on the GPU), and the pass a rank with fewer passes runs to stay in step
     rope_index: object = None
     cpu_group: object = None
     stand_in: tuple[dict, dict] | None = None
@@ -149,9 +151,13 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | Non
     )
     if cfg.train.packing:
         s.rope_index = packing.rope_index_of(engine.module)
+    if cfg.uneven_passes:
         # every rank creates the group (a collective); on CPUs the default group is gloo already
         s.cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-        s.stand_in = _with_positions(stand_in_pass(processor, s.rope_index))
+        packed = cfg.train.packing
+        s.stand_in = _with_positions(
+            stand_in_pass(processor, s.rope_index) if packed else stand_in_micro_batch(processor)
+        )
     if restore_from is not None:
         st = restore_from.state
         zero.set_trainable_state(engine, params, restore_from, st.step)
@@ -191,12 +197,12 @@ def train_step(s: Setup) -> dict[str, float]:
     scale = scale.float()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     passes = list(zip(built.batches, built.positions_of, strict=True))
-    if cfg.train.packing:  # every rank runs as many passes as the rank with the most
+    if cfg.uneven_passes:  # every rank runs as many passes as the rank with the most
         most = torch.tensor([len(passes)])
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=s.cpu_group)
         passes += [s.stand_in] * (int(most) - len(passes))
     for k, (batch, positions) in enumerate(passes):
-        if cfg.train.packing:  # the optimizer steps after the last pass, however many there are
+        if cfg.uneven_passes:  # the optimizer steps after the last pass, however many there are
             engine.set_gradient_accumulation_boundary(k == len(passes) - 1)
         batch, positions = to_device(batch, device), to_device(dict(positions), device)
         token_loss = answer_token_losses(engine, batch, positions.pop("labels"), positions)[0].sum()
@@ -296,16 +302,21 @@ def step_batches(s: Setup, step: int) -> StepBatches:
     t = s.cfg.train
     micro_batches = s.sampler.micro_batches(step, s.rank, s.world_size, t.micro_batch_size)
     count = len(micro_batches)
-    if t.packing or t.sort_by_length:  # the whole share at once: packed, or sorted by length and cut
+    budget = t.max_tokens_per_micro_batch
+    # the whole share at once: packed, or sorted by length and cut (by count, or by a token budget)
+    if t.packing or t.sort_by_length or budget is not None:
         micro_batches = [[i for micro in micro_batches for i in micro]]
     for micro in micro_batches:
         samples = [None if i is None else _read(s, i, built.reasons) for i in micro]
         rejected: dict[int, str] = {}  # positions whose sample the processor rejects: bad rows as well
         if t.packing:
             batches, too_long = packed_passes(
-                s.processor, samples, t.max_tokens_per_micro_batch, s.cfg.data.max_length, s.rope_index,
-                rejected=rejected,
-            )  # fmt: skip
+                s.processor, samples, budget, s.cfg.data.max_length, s.rope_index, rejected=rejected
+            )
+        elif budget is not None:
+            batches, too_long = budgeted_micro_batches(
+                s.processor, samples, budget, s.cfg.data.max_length, rejected=rejected
+            )
         elif t.sort_by_length:
             batches, too_long = sorted_micro_batches(
                 s.processor, samples, t.micro_batch_size, count, s.cfg.data.max_length, rejected=rejected

@@ -20,7 +20,14 @@ import torch
 from raylora.assets import TINY_ARCHS, build_tiny_model
 from raylora.config import ConfigError
 from raylora.data import lengths, packing
-from raylora.data.batches import _collate, packed_passes, read, sorted_micro_batches, stand_in
+from raylora.data.batches import (
+    _collate,
+    budgeted_micro_batches,
+    packed_passes,
+    read,
+    sorted_micro_batches,
+    stand_in,
+)
 from raylora.data.labels import IGNORE_INDEX, encode
 from raylora.data.sampler import LENGTH_GROUP_STEPS, GlobalSampler
 from raylora.loss import answer_token_losses
@@ -153,6 +160,24 @@ def test_packing_settings_are_checked_when_loaded(tmp_path):
         )  # fmt: skip
     with pytest.raises(ConfigError, match="must be positive"):
         tiny_run_config("m", "d", tmp_path, "n", "train.max_tokens_per_micro_batch=0")
+    # padded under a token budget: the same limit
+    with pytest.raises(ConfigError, match=r"\(200\): a sample that long would not fit in a padded pass"):
+        tiny_run_config(
+            "m", "d", tmp_path, "n", "train.max_tokens_per_micro_batch=200", "data.max_length=300"
+        )
+
+
+def test_driver_refuses_a_token_budget_below_the_shortest_sample_before_ray(tiny_models, digits):
+    """Padded under a token budget as packed: a budget no sample fits would skip every one."""
+    from raylora.driver import preflight
+
+    cfg = tiny_run_config(
+        tiny_models("gemma3"), digits[0], "/tmp/unused", "b", "train.max_tokens_per_micro_batch=8"
+    )
+    with pytest.raises(
+        ConfigError, match=r"train.max_tokens_per_micro_batch \(8\) is shorter than the shortest"
+    ):
+        preflight(cfg)
 
 
 def test_packed_passes_keep_the_budget_skip_what_cannot_fit_and_give_each_pass_an_image():
@@ -195,6 +220,34 @@ def test_sorted_micro_batches_pad_less_and_keep_every_sample():
     in_order = [_collate(processor, [encode(processor, s) for s in pair if s], True) for pair in
                 (samples[0:2], samples[2:4], samples[4:6])]  # fmt: skip
     assert padding_share(batches[:3]) < padding_share(in_order)
+
+
+def test_budgeted_micro_batches_fit_the_budget_and_keep_every_sample():
+    """train.max_tokens_per_micro_batch without packing: padded micro batches of at most the budget's
+    positions (rows times their longest), short samples together, and every usable sample's answers in
+    them; a skipped slot takes no pass."""
+    _, processor = _model("qwen2_vl")
+    samples = [MULTI_TURN, TEXT_ONLY, TWO_IMAGES, TEXT_ONLY, None, MULTI_TURN, TEXT_ONLY]
+    rows = [encode(processor, s) for s in samples if s]
+    longest = max(len(r.labels) for r in rows)
+    batches, too_long = budgeted_micro_batches(processor, samples, 3 * longest, max_length=None)
+    assert too_long == []
+    sizes = []
+    for b in batches:
+        real = (b["labels"] != IGNORE_INDEX).any(dim=1)  # the stand-in image row trains on nothing
+        width = int(b["attention_mask"][real].sum(dim=1).max())
+        sizes.append(int(real.sum()))
+        assert sizes[-1] * width <= 3 * longest, (sizes[-1], width)
+        assert "pixel_values" in b  # a text-only micro batch carries the stand-in image row
+    assert sum(sizes) == len(rows) and len(batches) < len(rows) / 2  # micro batches of 2 would take 3
+    assert sizes == sorted(sizes)  # longest first: the short samples share the last passes
+    answers = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    assert answers == sum(sum(t != IGNORE_INDEX for t in r.labels) for r in rows) > 0
+    # a sample longer than the budget (or data.max_length) is skipped as too long
+    shortest = min(len(r.labels) for r in rows)
+    over = [i for i, s in enumerate(samples) if s and len(encode(processor, s).labels) > shortest]
+    assert budgeted_micro_batches(processor, samples, shortest, None)[1] == over
+    assert budgeted_micro_batches(processor, samples, 3 * longest, shortest - 1) == ([], [0, 1, 2, 3, 5, 6])
 
 
 def _log_normal_lengths(n: int, seed: int = 0) -> np.ndarray:
@@ -371,6 +424,7 @@ def test_packed_step_equals_padded_step_on_zero3_workers(ray_cluster, probes, ti
         }
         if arch in ("llava", "qwen2_vl"):
             modes["sorted"] = ("train.sort_by_length=true",)
+            modes["budgeted"] = (f"train.max_tokens_per_micro_batch={BUDGET}",)  # padded, cut by tokens
         for mode, extra in modes.items():
             configs[arch, mode] = tiny_run_config(
                 tiny_models(arch), data, folder, f"{arch}-{mode}", "lora.dropout=0", *extra
@@ -385,10 +439,13 @@ def test_packed_step_equals_padded_step_on_zero3_workers(ray_cluster, probes, ti
         _assert_moments_close(padded["moments"], packed["moments"], arch)
     assert uneven, "no architecture had ranks with different pass counts (the stand-in passes untested)"
     for arch in ("llava", "qwen2_vl"):
-        padded, sorted_ = got[arch, "padded"], got[arch, "sorted"]
+        padded, sorted_, budgeted = got[arch, "padded"], got[arch, "sorted"], got[arch, "budgeted"]
         assert sorted_["passes"] == [2, 2], arch
-        assert abs(sorted_["loss"] - padded["loss"]) <= TOLERANCE * abs(padded["loss"]), arch
-        _assert_moments_close(padded["moments"], sorted_["moments"], arch)
+        # rank 1's text-only share fits one pass of BUDGET tokens: rank 1 runs a stand-in to keep in step
+        assert budgeted["passes"][1] == 1 and budgeted["passes"][0] > 1, (arch, budgeted["passes"])
+        for mode in (sorted_, budgeted):
+            assert abs(mode["loss"] - padded["loss"]) <= TOLERANCE * abs(padded["loss"]), arch
+            _assert_moments_close(padded["moments"], mode["moments"], arch)
 
 
 @pytest.mark.distributed

@@ -207,6 +207,40 @@ def stand_in_pass(processor, rope_index=None) -> dict:
     return packing.packed(_collate(processor, [_stand_in_row(processor)], with_answers=True), rope_index)
 
 
+def budgeted_micro_batches(
+    processor,
+    samples: list[Decoded | None],
+    budget: int,
+    max_length: int | None,
+    *,
+    rejected: dict[int, str] | None = None,
+) -> tuple[list[dict], list[int]]:
+    """A rank's share of a step as padded micro batches of at most `budget` positions each, rows times
+    their longest row (train.max_tokens_per_micro_batch without packing): the usable samples ordered by
+    length, longest first, each micro batch taking rows while they fit, so that short samples share a
+    pass and long ones do not. Taking as many as fit, longest first, gives the fewest micro batches for
+    that order. A sample longer than `budget` or `max_length` is skipped as too long, and, as in a packed
+    step, a skipped slot takes no stand-in's place: the pass count is the samples', and the caller evens
+    it out over the ranks. A micro batch without an image gets the stand-in image row (`limit_length`),
+    which may take it past `budget`. Returns the micro batches and the positions of the too-long samples."""
+    limit = budget if max_length is None else min(max_length, budget)
+    encoded, too_long = _encode_slots(processor, samples, limit, rejected)
+    rows = sorted((r for r in encoded if r is not None), key=lambda r: len(r.labels), reverse=True)
+    groups: list[list[Row]] = []
+    for row in rows:  # a group's first row is its longest: its width
+        if groups and (len(groups[-1]) + 1) * len(groups[-1][0].labels) <= budget:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return [_with_an_image(processor, group) for group in groups], too_long
+
+
+def stand_in_micro_batch(processor) -> dict:
+    """The padded micro batch a rank with fewer passes than another runs under a token budget: the
+    stand-in row alone, with labels that train on nothing (`stand_in_pass`, unpacked)."""
+    return _collate(processor, [_stand_in_row(processor)], with_answers=True)
+
+
 def sorted_micro_batches(
     processor,
     samples: list[Decoded | None],

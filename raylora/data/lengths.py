@@ -120,10 +120,10 @@ def token_lengths(cfg: Config, processor, rows: Rows, device: torch.device) -> n
 
 def grouping_keys(cfg: Config, processor, rows: Rows, device: torch.device) -> np.ndarray:
     """`token_lengths` for the sampler (train.group_by_length), -1 for a row that its step will skip (a
-    bad row, or one longer than data.max_length or than a packed pass), which the sampler leaves in its
-    shuffled place. Collective."""
+    bad row, or one longer than data.max_length or than a pass's token budget), which the sampler leaves
+    in its shuffled place. Collective."""
     keys = token_lengths(cfg, processor, rows, device).copy()
-    limits = [cfg.data.max_length, cfg.train.max_tokens_per_micro_batch if cfg.train.packing else None]
+    limits = [cfg.data.max_length, cfg.train.max_tokens_per_micro_batch]
     skipped = keys == 0
     if any(n is not None for n in limits):
         skipped |= keys > min(n for n in limits if n is not None)

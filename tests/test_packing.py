@@ -359,6 +359,13 @@ def test_token_lengths_are_counted_as_a_step_encodes_and_kept_for_restarts(
     keys = lengths.grouping_keys(capped, processor, rows, torch.device("cpu"))
     assert keys.tolist() == [-1 if n == 0 or n > limit else n for n in expected]
     assert (keys == -1).sum() >= 2
+    # and the rows over a pass's token budget, padded as well as packed
+    for packed in ((), ("train.packing=true",)):
+        budgeted = tiny_run_config(
+            model, data, tmp_path, "grouped", "train.group_by_length=true",
+            f"train.max_tokens_per_micro_batch={limit}", *packed,
+        )  # fmt: skip
+        assert lengths.grouping_keys(budgeted, processor, rows, torch.device("cpu")).tolist() == keys.tolist()
 
 
 # ------------------------------------------------------------------------------------------ distributed

@@ -20,6 +20,9 @@ Runs alternate (1, 2, 3, 1, 2, 3, ...) so that load from other work on the machi
    Without reports, checkpoints or the controller's work for a run, it isolates what running inside a
    Ray Train worker process costs `train_step` itself; with each block, the training thread's and the
    whole process's context switches (/proc).
+5. `--where`: the same taking turns between a plain Ray actor process (no Ray Train) and plain processes,
+   then between Ray Train workers and plain Ray actor processes (`where`): how much of the `in_worker`
+   difference any Ray worker process has, and how much Ray Train adds.
 """
 
 from __future__ import annotations
@@ -73,14 +76,17 @@ def _process_switches() -> int:
     return total
 
 
-def take_turns(side: str, turn: str, cfg, blocks: int, n: int) -> list[dict]:
+SIDES = ("ray", "plain")
+
+
+def take_turns(side: str, turn: str, cfg, blocks: int, n: int, sides: tuple = SIDES) -> list[dict]:
     """One side of `in_worker` (module docstring), on every rank: setup and 3 warm-up steps, then
-    `blocks` blocks of `n` train_steps taking turns with the other side (`common.Turns`). Returns (rank
-    0's) each block's seconds and context switches: the training thread's (voluntary, involuntary) and
-    all threads' of the process."""
+    `blocks` blocks of `n` train_steps taking turns with the other of `sides` (`common.Turns`). Returns
+    (rank 0's) each block's seconds and context switches: the training thread's (voluntary, involuntary)
+    and all threads' of the process."""
     from raylora import worker
 
-    turns = common.Turns(turn, SIDES, side)
+    turns = common.Turns(turn, sides, side)
     s = worker.setup(cfg, None)
     for _ in range(3):
         worker.train_step(s)
@@ -108,14 +114,16 @@ def take_turns(side: str, turn: str, cfg, blocks: int, n: int) -> list[dict]:
     return rows
 
 
-def _plain_turns(rank: int, world: int, port: int, cfg, blocks: int, n: int, turn: str, out: str) -> None:
+def _plain_turns(
+    rank: int, world: int, port: int, cfg, blocks: int, n: int, turn: str, out: str, sides: tuple = SIDES
+) -> None:
     import torch.distributed as dist
 
     common.plain_process_group(rank, world, port)
     try:
-        rows = take_turns("plain", turn, cfg, blocks, n)
+        rows = take_turns("plain", turn, cfg, blocks, n, sides)
     except BaseException:
-        common.Turns(turn, SIDES, "plain").fail()
+        common.Turns(turn, sides, "plain").fail()
         raise
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
@@ -123,7 +131,74 @@ def _plain_turns(rank: int, world: int, port: int, cfg, blocks: int, n: int, tur
     dist.destroy_process_group()
 
 
-SIDES = ("ray", "plain")
+def _actor_turns(rank: int, world: int, port: int, cfg, blocks: int, n: int, turn: str, side: str, sides):
+    """A side of `where` in a plain Ray task (a Ray worker process without Ray Train): its own gloo
+    group, as the plain processes have. Returns rank 0's blocks."""
+    import torch.distributed as dist
+
+    common.plain_process_group(rank, world, port)
+    try:
+        rows = take_turns(side, turn, cfg, blocks, n, sides)
+    except BaseException:
+        common.Turns(turn, sides, side).fail()
+        raise
+    dist.barrier()
+    dist.destroy_process_group()
+    return rows
+
+
+def _ratios(first: list[dict], second: list[dict], n: int) -> dict:
+    """Each adjacent pair of blocks' steps/s ratio (first side over second), and the process's context
+    switches per step at the median, of each side's rank 0."""
+    per_block = [b["seconds"] / a["seconds"] for a, b in zip(first, second, strict=True)]
+    return {
+        "per_block": per_block,
+        "median": common.median(per_block),
+        "process_switches_per_step": [
+            common.median([r["process_switches"] / n for r in side]) for side in (first, second)
+        ],
+    }
+
+
+def where(work: Path, cfg, blocks: int, n: int) -> dict:
+    """`--where`: which part of a Ray Train worker the `in_worker` difference belongs to, by two more
+    comparisons taking turns: a plain Ray actor process (a Ray task holding 1 CPU, its own gloo group;
+    no Ray Train) against plain processes, and Ray Train workers against plain Ray actor processes. The
+    first is what any Ray worker process costs (its core worker's threads, the main thread's 10 ms signal
+    check); the second, what Ray Train adds (its training thread, the controller's polls)."""
+    import ray
+    import torch.multiprocessing as mp
+
+    work.mkdir(parents=True, exist_ok=True)
+    # max_calls=1: a fresh process for each call, as the plain processes and Ray Train's workers are
+    remote = ray.remote(num_cpus=1, max_retries=0, max_calls=1)(_actor_turns)
+    out = {}
+    sides = ("actor", "plain")
+    turn = str(work / "turn-actor-plain")
+    common.Turns.start(turn, sides)
+    port = common.free_port()
+    refs = [remote.remote(r, 2, port, cfg, blocks, n, turn, "actor", sides) for r in range(2)]
+    plain_out = work / "turns-plain-beside-actor.json"
+    mp.spawn(
+        _plain_turns, args=(2, common.free_port(), cfg, blocks, n, turn, str(plain_out), sides), nprocs=2
+    )
+    out["actor_over_plain"] = _ratios(ray.get(refs)[0], json.loads(plain_out.read_text()), n)
+
+    sides = ("train", "actor")
+    turn = str(work / "turn-train-actor")
+    common.Turns.start(turn, sides)
+    port = common.free_port()
+    refs = [remote.remote(r, 2, port, cfg, blocks, n, turn, "actor", sides) for r in range(2)]
+    try:
+        train = common.on_workers(
+            lambda: take_turns("train", turn, cfg, blocks, n, sides), work / "where", "throughput-where"
+        )
+    except BaseException:
+        common.Turns(turn, sides, "train").fail()
+        ray.get(refs)  # the actors' error, when it was theirs
+        raise
+    out["train_over_actor"] = _ratios(train, ray.get(refs)[0], n)
+    return out
 
 
 def in_worker(work: Path, cfg, blocks: int, n: int) -> dict:
@@ -201,12 +276,9 @@ SIZES = [("demo", DEMO_WIDTH, 2, DEMO_STEP), ("tiny", 64, 2, [])]
 VARIANTS = {"raylora": [], "raylora_every_step": ["run.report_every_s=0"]}
 
 
-def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -> dict:
-    import torch.multiprocessing as mp
-
-    from raylora.driver import make_trainer, preflight
-
-    label, width, layers, overrides = size
+def _configs(args, work: Path, size: tuple, steps: int):
+    """`cfg(name, *more)`: the run config of `size` (SIZES) under `name`, with `more` overrides."""
+    _, width, layers, overrides = size
     model, data = common.tiny_model(args.work, width, layers), common.digits(args.work)
 
     def cfg(name: str, *more: str):
@@ -223,6 +295,22 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
             f"train.checkpoint_every={steps}",
             *more,
         )
+
+    return cfg
+
+
+def turn_blocks(args) -> tuple[int, int]:
+    """(blocks, steps per block) of the comparisons taking turns."""
+    return (2, 2) if args.tiny else (12, 15)
+
+
+def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -> dict:
+    import torch.multiprocessing as mp
+
+    from raylora.driver import make_trainer, preflight
+
+    label, width, layers, overrides = size
+    cfg = _configs(args, work, size, steps)
 
     # --tiny (the smoke test) leaves out the every-step variant: one Ray run fewer, the same code path
     variants = {"raylora": VARIANTS["raylora"]} if args.tiny else VARIANTS
@@ -266,7 +354,7 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         samples["plain"].append(rate(times, warmup))
         add_cores("plain", sampler, times)
 
-    blocks, per_block = (2, 2) if args.tiny else (12, 15)
+    blocks, per_block = turn_blocks(args)
     turns_cfg = cfg(f"turns-w{width}", f"train.max_steps={3 + blocks * per_block}")
     turns = in_worker(work / f"turns-w{width}", turns_cfg, blocks, per_block)
 
@@ -314,6 +402,12 @@ def main() -> None:
         default=None,
         help=f"comma-separated, of {[s[0] for s in SIZES]} (default all; --tiny its own)",
     )
+    p.add_argument(
+        "--where",
+        action="store_true",
+        help="instead: in_worker at the demo's step, and each side against a plain Ray actor process "
+        "(`where`), written to throughput_where.json",
+    )
     args = p.parse_args()
     reps = common.repeats(args, 3)
     steps = args.steps or (6 if args.tiny else 40)
@@ -328,6 +422,31 @@ def main() -> None:
         if unknown:
             p.error(f"--sizes: no size {sorted(unknown)}; the sizes are {[s[0] for s in SIZES]}")
         sizes = [s for s in SIZES if s[0] in wanted]
+    if args.where:
+        size = next(s for s in sizes if s[0] in ("demo", "tiny"))
+        blocks, n = turn_blocks(args)
+        turns_cfg = _configs(args, work, size, 3 + blocks * n)("where")
+        with common.local_ray():
+            figures = {
+                "ray_train_over_plain": in_worker(work / "in-worker", turns_cfg, blocks, n),
+                **where(work / "where", turns_cfg, blocks, n),
+            }
+        common.write_result(
+            args,
+            "throughput_where",
+            {
+                "model": f"tiny llava width {size[1]}, {size[2]}+{size[2]} layers",
+                "setup": {"blocks": blocks, "steps_per_block": n, "overrides": size[3]},
+                "figures": figures,
+                "notes": [
+                    "Each figure: train_step's steps/s of the first side over the second's, per pair of "
+                    "adjacent blocks taking turns (common.Turns), and the median. The chain actor_over_plain "
+                    "x train_over_actor splits ray_train_over_plain (measured in the same run).",
+                ],
+            },
+        )
+        print(json.dumps({k: v.get("median", v.get("ray_over_plain")) for k, v in figures.items()}, indent=1))
+        return
     with common.local_ray():
         results = {size[0]: measure(args, work, size, steps, warmup, reps) for size in sizes}
     values = {label: r["ratios"]["raylora_over_plain"] for label, r in results.items()}

@@ -292,6 +292,21 @@ class Config:
         return self.scaling.use_gpu if on is None else on
 
     @property
+    def length_limit(self) -> tuple[str, int] | None:
+        """(setting, tokens): the limit past which a sample is skipped as too long, the smaller of
+        data.max_length and a pass's token budget (train.max_tokens_per_micro_batch); None without
+        either."""
+        limits = [
+            (key, value)
+            for key, value in (
+                ("data.max_length", self.data.max_length),
+                ("train.max_tokens_per_micro_batch", self.train.max_tokens_per_micro_batch),
+            )
+            if value is not None
+        ]
+        return min(limits, key=lambda kv: kv[1]) if limits else None
+
+    @property
     def uneven_passes(self) -> bool:
         """Whether a step's pass count depends on its samples (packed, or padded under a token budget), so
         that the ranks agree on the most any needs each step and a rank with fewer runs stand-ins."""

@@ -244,8 +244,8 @@ def nothing_to_train(s: Setup, step: int, built: StepBatches, counts: torch.Tens
     dist.all_gather_object(reasons, built.reasons)
     bad = sorted(r for rank in reasons for r in rank)
     examples = f" ({'; '.join(f'row {row}: {reason}' for row, reason in bad[:3])})" if bad else ""
-    max_length = s.cfg.data.max_length
-    too_long = f", {int(counts[1].item())} longer than data.max_length ({max_length})" if max_length else ""
+    limit = s.cfg.length_limit
+    too_long = f", {int(counts[1].item())} longer than {limit[0]} ({limit[1]})" if limit else ""
     return (
         f"step {step + 1}: every sample of the global batch ({s.cfg.train.global_batch_size}) was skipped, "
         f"so there is nothing to train on: {int(counts[2].item())} bad row(s) of data.train{examples}"
@@ -261,7 +261,7 @@ class StepBatches:
     positions_of: list[dict]  # each micro batch's loss.answer_positions, and its labels
     tokens: int  # answer tokens the loss covers
     positions: int  # token positions the passes compute (padding left out): the tokens_per_s metric
-    too_long: int  # samples longer than data.max_length, replaced by the stand-in
+    too_long: int  # samples longer than data.max_length or a pass's token budget (`Config.length_limit`)
     bad_rows: int  # rows that do not read or decode, or that the processor rejects: replaced by the stand-in
     reasons: list[tuple[int, str]]  # (row, why) of each bad row
 

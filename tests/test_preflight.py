@@ -88,6 +88,24 @@ def _cfg(model, data, tmp_path, *overrides: str):
     return tiny_run_config(model, data, tmp_path / "runs", "preflight", *overrides)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_token_budget_every_row_exceeds_is_refused_before_ray(tiny_models, digits, tmp_path, packed):
+    """A pass's token budget (train.max_tokens_per_micro_batch, padded or packed) skips a longer sample as
+    data.max_length does: a budget that every row read exceeds would train on nothing."""
+    from raylora.data.batches import read
+    from raylora.data.labels import encode
+
+    model = tiny_models("llava")
+    processor, rows = load_processor(model), open_rows(str(digits[0]))
+    shortest = min(len(encode(processor, read(rows, i)).labels) for i in range(50))
+    budget = [f"train.max_tokens_per_micro_batch={shortest - 1}", *(["train.packing=true"] if packed else [])]
+    with pytest.raises(
+        ConfigError, match=rf"longer than train.max_tokens_per_micro_batch \({shortest - 1}\)"
+    ):
+        preflight(_cfg(model, digits[0], tmp_path, *budget))
+    preflight(_cfg(model, digits[0], tmp_path, f"train.max_tokens_per_micro_batch={shortest}"))
+
+
 def test_an_all_bad_source_is_refused_before_ray_naming_reason_and_row(tiny_models, digits, tmp_path, capsys):
     # the most common reason first: 26 rows of one, 14 of the other
     data = _write_chat_jsonl(tmp_path, digits, 40, {i: "mismatch" if i % 3 else "corrupt" for i in range(40)})

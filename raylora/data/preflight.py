@@ -140,6 +140,7 @@ def check_sample(cfg: Config, rows: Rows, processor) -> None:
     A row is bad when it does not read or its images do not decode (`BadRow`), or when the processor or
     the chat template rejects it (what `data.limit_length` skips during training)."""
     d = cfg.data
+    limit_key, limit = cfg.length_limit or (None, None)
     bad: list[tuple[int, str]] = []
     checked = too_long = 0
     deadline = time.monotonic() + SAMPLE_SECONDS
@@ -156,7 +157,7 @@ def check_sample(cfg: Config, rows: Rows, processor) -> None:
             why = " ".join(str(err).split())[:300]
             bad.append((i, f"the processor rejects it ({type(err).__name__}: {why})"))
             continue
-        too_long += d.max_length is not None and tokens > d.max_length
+        too_long += limit is not None and tokens > limit
     where = f"data.train: {rows.uri}"
     video = next((row for row, reason in bad if reason == NO_VIDEO), None)
     if video is not None:  # however few: video rows would be skipped at every step, never trained
@@ -176,12 +177,10 @@ def check_sample(cfg: Config, rows: Rows, processor) -> None:
     if good and too_long == good:
         raise ConfigError(
             f"{where}: every good row of the {checked} read before the start is longer than "
-            f"data.max_length ({d.max_length}) and would be skipped: nothing would be trained on"
+            f"{limit_key} ({limit}) and would be skipped: nothing would be trained on"
         )
     if too_long:
-        log.warning(
-            "%s: %d of %d rows read are longer than data.max_length, skipped", where, too_long, checked
-        )
+        log.warning("%s: %d of %d rows read are longer than %s, skipped", where, too_long, checked, limit_key)
 
 
 def common_reasons(bad: list[tuple[int, str]]) -> str:

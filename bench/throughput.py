@@ -172,12 +172,17 @@ def where(work: Path, cfg, blocks: int, n: int) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     # max_calls=1: a fresh process for each call, as the plain processes and Ray Train's workers are
     remote = ray.remote(num_cpus=1, max_retries=0, max_calls=1)(_actor_turns)
+
+    def actors(turn: str, sides: tuple) -> list:
+        """The two plain Ray actor processes' side, started; their refs."""
+        common.Turns.start(turn, sides)
+        port = common.free_port()
+        return [remote.remote(r, 2, port, cfg, blocks, n, turn, "actor", sides) for r in range(2)]
+
     out = {}
     sides = ("actor", "plain")
     turn = str(work / "turn-actor-plain")
-    common.Turns.start(turn, sides)
-    port = common.free_port()
-    refs = [remote.remote(r, 2, port, cfg, blocks, n, turn, "actor", sides) for r in range(2)]
+    refs = actors(turn, sides)
     plain_out = work / "turns-plain-beside-actor.json"
     mp.spawn(
         _plain_turns, args=(2, common.free_port(), cfg, blocks, n, turn, str(plain_out), sides), nprocs=2
@@ -186,9 +191,7 @@ def where(work: Path, cfg, blocks: int, n: int) -> dict:
 
     sides = ("train", "actor")
     turn = str(work / "turn-train-actor")
-    common.Turns.start(turn, sides)
-    port = common.free_port()
-    refs = [remote.remote(r, 2, port, cfg, blocks, n, turn, "actor", sides) for r in range(2)]
+    refs = actors(turn, sides)
     try:
         train = common.on_workers(
             lambda: take_turns("train", turn, cfg, blocks, n, sides), work / "where", "throughput-where"

@@ -34,7 +34,6 @@ from raylora.data.batches import (
     read,
     sorted_micro_batches,
     stand_in_micro_batch,
-    stand_in_pass,
 )
 from raylora.data.formats import BadRow, Rows, open_rows
 from raylora.data.labels import Decoded, check_chat_template
@@ -154,9 +153,9 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | Non
     if cfg.uneven_passes:
         # every rank creates the group (a collective); on CPUs the default group is gloo already
         s.cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
-        packed = cfg.train.packing
+        stand_in = stand_in_micro_batch(processor)
         s.stand_in = _with_positions(
-            stand_in_pass(processor, s.rope_index) if packed else stand_in_micro_batch(processor)
+            packing.packed(stand_in, s.rope_index) if cfg.train.packing else stand_in
         )
     if restore_from is not None:
         st = restore_from.state
@@ -304,7 +303,7 @@ def step_batches(s: Setup, step: int) -> StepBatches:
     count = len(micro_batches)
     budget = t.max_tokens_per_micro_batch
     # the whole share at once: packed, or sorted by length and cut (by count, or by a token budget)
-    if t.packing or t.sort_by_length or budget is not None:
+    if t.sort_by_length or s.cfg.uneven_passes:
         micro_batches = [[i for micro in micro_batches for i in micro]]
     for micro in micro_batches:
         samples = [None if i is None else _read(s, i, built.reasons) for i in micro]

@@ -201,10 +201,11 @@ def packed_passes(
     return passes, too_long
 
 
-def stand_in_pass(processor, rope_index=None) -> dict:
-    """The packed pass a rank with fewer passes than another runs to stay in step with it: the stand-in
-    row alone, with labels that train on nothing."""
-    return packing.packed(_collate(processor, [_stand_in_row(processor)], with_answers=True), rope_index)
+def stand_in_micro_batch(processor) -> dict:
+    """The pass a rank with fewer passes than another runs to stay in step with it (packed, or padded under
+    a token budget): the stand-in row alone, with labels that train on nothing. Packed:
+    `packing.packed(stand_in_micro_batch(processor), rope_index)`."""
+    return _collate(processor, [_stand_in_row(processor)], with_answers=True)
 
 
 def budgeted_micro_batches(
@@ -233,12 +234,6 @@ def budgeted_micro_batches(
         else:
             groups.append([row])
     return [_with_an_image(processor, group) for group in groups], too_long
-
-
-def stand_in_micro_batch(processor) -> dict:
-    """The padded micro batch a rank with fewer passes than another runs under a token budget: the
-    stand-in row alone, with labels that train on nothing (`stand_in_pass`, unpacked)."""
-    return _collate(processor, [_stand_in_row(processor)], with_answers=True)
 
 
 def sorted_micro_batches(

@@ -123,9 +123,9 @@ def grouping_keys(cfg: Config, processor, rows: Rows, device: torch.device) -> n
     bad row, or one longer than data.max_length or than a pass's token budget), which the sampler leaves
     in its shuffled place. Collective."""
     keys = token_lengths(cfg, processor, rows, device).copy()
-    limits = [cfg.data.max_length, cfg.train.max_tokens_per_micro_batch]
+    limit = cfg.length_limit
     skipped = keys == 0
-    if any(n is not None for n in limits):
-        skipped |= keys > min(n for n in limits if n is not None)
+    if limit is not None:
+        skipped |= keys > limit[1]
     keys[skipped] = -1
     return keys

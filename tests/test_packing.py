@@ -4,9 +4,9 @@ In one process (each tiny architecture, no DeepSpeed): the answer-token loss and
 packed row equal the padded batch's within 1e-5 relative, on multi-turn, two-image and text-only samples;
 Qwen2-VL's 3-D rotary positions are the per-sample ones (1-D positions give other numbers), and Gemma 3,
 whose packed row is not its padded batch, is refused before Ray starts. On 2 ZeRO-3 workers: one step
-packed against one step padded on every verified architecture (loss and Adam moments), and a packed run
-killed and resumed bitwise equal to an uninterrupted packed run (with train.group_by_length, whose
-sample order is tested here too).
+packed against one step padded on every verified architecture (loss and Adam moments), and a packed run,
+and a padded one cut by a token budget, killed and resumed bitwise equal to an uninterrupted one (with
+train.group_by_length, whose sample order is tested here too, and ranks running stand-in passes).
 """
 
 from __future__ import annotations
@@ -455,11 +455,37 @@ def test_packed_step_equals_padded_step_on_zero3_workers(ray_cluster, probes, ti
             _assert_moments_close(padded["moments"], mode["moments"], arch)
 
 
+def _pass_counts(mode: str, budget: int, counts: list[int], processor, rows, cfg) -> list[tuple[int, int]]:
+    """Each of the run's 6 steps' pass counts on rank 0 and rank 1 in the grouped order, with a pass's
+    token budget of `budget`, packed or padded: what the workers' step_batches build."""
+    keys = np.array(counts)
+    keys[keys > budget] = -1  # lengths.grouping_keys: the step skips a row over the budget
+    sampler = GlobalSampler(ROWS, cfg.train.global_batch_size, cfg.train.seed, keys)
+    got = []
+    for step in range(6):
+        per_rank = []
+        for rank in (0, 1):
+            micro = sampler.micro_batches(step, rank, 2, cfg.train.micro_batch_size)
+            share = [i for m in micro for i in m if i is not None and counts[i] <= budget]
+            if mode == "packed":
+                per_rank.append(len(packing.pack([counts[i] for i in share], budget)))
+            else:
+                samples = [read(rows, i) for i in share]
+                per_rank.append(len(budgeted_micro_batches(processor, samples, budget, None)[0]))
+        got.append(tuple(per_rank))
+    return got
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_killed_packed_grouped_run_resumes_bitwise_equal(ray_cluster, tiny_models, mixed_data):
-    """Packed, and with train.group_by_length (the workers count every row's tokens, half each, and the
-    restarted group reads the counts kept in the run's folder)."""
+@pytest.mark.parametrize("mode", ["packed", "budgeted"])
+def test_killed_grouped_run_under_a_token_budget_resumes_bitwise_equal(
+    ray_cluster, tiny_models, mixed_data, mode
+):
+    """Packed, or padded micro batches cut by the token budget, and with train.group_by_length (the workers
+    count every row's tokens, half each, and the restarted group reads the counts kept in the run's
+    folder). After the kill the ranks' pass counts differ on some steps: the rank with fewer passes runs
+    stand-ins, in the restarted group as well."""
     from raylora import checkpoint
     from raylora.data.formats import open_rows
     from raylora.data.processor import load_processor
@@ -467,9 +493,17 @@ def test_killed_packed_grouped_run_resumes_bitwise_equal(ray_cluster, tiny_model
     folder, data = mixed_data
     model = tiny_models("qwen2_vl")
     grouped = "train.group_by_length=true"
-    straight, killed = straight_and_killed(model, data, folder, 3, *PACKED, grouped)
+    budget = 42  # the rows hold 11, 26 or 30 tokens: in the grouped order ranks differ in passes
+    settings = (f"train.max_tokens_per_micro_batch={budget}", grouped)
+    settings += ("train.packing=true",) if mode == "packed" else ()
+    folder = folder / mode
     processor, rows = load_processor(model), open_rows(data)
     counts = [len(encode(processor, read(rows, i)).labels) for i in range(ROWS)]
+    passes = _pass_counts(
+        mode, budget, counts, processor, rows, tiny_run_config(model, data, folder, "passes")
+    )
+    assert any(a != b for a, b in passes[3:]), passes  # after the kill, a rank runs stand-ins
+    straight, killed = straight_and_killed(model, data, folder, 3, *settings)
     for run in ("straight", "killed"):
         kept = json.loads((folder / run / lengths.LENGTHS).read_text())
         assert kept["lengths"] == counts and kept["key"]["rows"] == ROWS, run

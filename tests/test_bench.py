@@ -110,7 +110,8 @@ def test_on_paper_runs_tiny(smoke):
 @pytest.mark.slow
 def test_padding_runs_tiny(smoke):
     """bench/padding.py: the 7B configs' padding on paper (sorting, grouping by length and packing each
-    pad less than the plain cut), and real steps padded, grouped and packed on both mixes."""
+    pad less than the plain cut), and real steps padded, grouped, cut by a token budget and packed on both
+    mixes."""
     result = _result(smoke, "padding")
     for kind, mix in result["mixes"].items():
         cut = {k: mix[k]["padding_fraction"]["median"] for k in ("as_cut_today", "grouped_by_length")}
@@ -118,10 +119,12 @@ def test_padding_runs_tiny(smoke):
         assert mix["sorted_within_rank"]["padding_fraction"]["median"] < cut["as_cut_today"], kind
         assert mix["packed"]["padding_fraction"]["median"] < cut["as_cut_today"], kind
     for kind, measured in result["measured"].items():
-        assert set(measured["useful_tokens_per_s"]) == {"padded", "padded_grouped", "packed"}, kind
+        modes = {"padded", "padded_grouped", "padded_budgeted", "packed"}
+        assert set(measured["useful_tokens_per_s"]) == modes, kind
         assert all(v["median"] > 0 for v in measured["useful_tokens_per_s"].values()), kind
         share = measured["padding_share"]
         assert share["packed"] == 0 < share["padded_grouped"] < share["padded"], (kind, share)
+        assert 0 < share["padded_budgeted"] < share["padded"], (kind, share)
 
 
 def _take_turns(side: str, path: str, blocks: int, log: str, fail_at: int | None) -> None:

@@ -8,8 +8,9 @@ For the same reason the scripts' probes (`common.on_workers`) share one worker g
 
     python bench/smoke.py --out DIR --work DIR SCRIPT [SCRIPT ...]     # e.g. throughput recovery
 
-Each script writes DIR/SCRIPT.json as `python bench/SCRIPT.py --tiny --out DIR --work DIR` would;
-DIR/smoke.json says for each script whether it finished, its traceback if not, and its seconds.
+Each script writes DIR/SCRIPT.json as `python bench/SCRIPT.py --tiny --out DIR --work DIR` would; a
+SCRIPT with flags, one argument ("throughput --where"), runs with them too. DIR/smoke.json says for
+each whether it finished, its traceback if not, and its seconds.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import common  # puts the repository root on sys.path
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("scripts", nargs="+", help="names of bench/ scripts, without .py")
+    p.add_argument("scripts", nargs="+", help="names of bench/ scripts, without .py, each with its flags")
     p.add_argument("--out", required=True, help="folder for each script's JSON and smoke.json")
     p.add_argument("--work", required=True, help="scratch folder shared by the scripts")
     args = p.parse_args()
@@ -48,14 +49,16 @@ def main() -> None:
 
 
 def smoke(scripts: list[str], out: Path, work: str, status: dict) -> None:
-    """Run each script's main() as `bench/SCRIPT.py --tiny`; record its outcome in status and smoke.json."""
+    """Run each script's main() as `bench/SCRIPT.py --tiny [its flags]`; record its outcome in status and
+    smoke.json, under the script's name and flags."""
     for name in scripts:
+        script, *flags = name.split()
         started = time.perf_counter()
         argv = sys.argv
         # as if run on its own: write_result records sys.argv as the command
-        sys.argv = [f"bench/{name}.py", "--tiny", "--out", str(out), "--work", work]
+        sys.argv = [f"bench/{script}.py", "--tiny", *flags, "--out", str(out), "--work", work]
         try:
-            importlib.import_module(name).main()
+            importlib.import_module(script).main()
             status[name] = {"ok": True}
         except Exception:  # the next scripts still run; the test names this one's traceback
             status[name] = {"ok": False, "error": traceback.format_exc()}

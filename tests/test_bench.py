@@ -37,7 +37,7 @@ def smoke(tmp_path_factory):
     out, work = tmp_path_factory.mktemp("bench-results"), tmp_path_factory.mktemp("bench-work")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "smoke.py"), "--out", str(out), "--work", str(work)]
-        + ["on_paper", "padding", *RAY_SCRIPTS],
+        + ["on_paper", "padding", *RAY_SCRIPTS, "throughput --where"],
         cwd=ROOT,
         env={**os.environ, **RAY_TEST_ENV},
         capture_output=True,
@@ -48,12 +48,15 @@ def smoke(tmp_path_factory):
     return out, json.loads((out / "smoke.json").read_text())
 
 
-def _result(smoke, script: str) -> dict:
+def _result(smoke, script: str, written: str | None = None) -> dict:
+    """The JSON that `script` (a name, or a name and flags) wrote to `written`.json (default: its name)."""
     out, status = smoke
     assert status[script]["ok"], status[script].get("error")
-    result = json.loads((out / f"{script}.json").read_text())
+    name, *flags = script.split()
+    result = json.loads((out / f"{written or name}.json").read_text())
     assert result["machine"]["cpu_count"] == os.cpu_count()
-    assert f"bench/{script}.py" in result["command"] and "--tiny" in result["command"]
+    assert f"bench/{name}.py" in result["command"] and "--tiny" in result["command"]
+    assert all(flag in result["command"] for flag in flags)
     return result
 
 
@@ -90,6 +93,26 @@ def test_bench_script_runs_tiny(script, smoke):
     if script == "data_scale":  # every size trained its first step; the ratios are figures, not checked here
         assert set(result["layouts"]["raylora"]) == {"64", "640"}
         assert set(result["ratios"]["raylora"]) == {"memory_640_over_64", "startup_640_over_64"}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_throughput_where_takes_turns_in_each_comparison(smoke):
+    """bench/throughput.py --where: Ray Train workers, plain Ray actor processes and plain processes, two
+    at a time, each pair taking turns block by block; every block timed on both sides."""
+    result = _result(smoke, "throughput --where", "throughput_where")
+    figures = result["figures"]
+    blocks = result["setup"]["blocks"]
+    in_worker = figures["ray_train_over_plain"]
+    assert len(in_worker["ray_over_plain_per_block"]) == blocks
+    assert in_worker["ray_over_plain"] == pytest.approx(
+        statistics.median(in_worker["ray_over_plain_per_block"])
+    )
+    for name in ("actor_over_plain", "train_over_actor"):
+        pair = figures[name]
+        assert len(pair["per_block"]) == blocks and all(r > 0 for r in pair["per_block"]), name
+        assert pair["median"] == pytest.approx(statistics.median(pair["per_block"])), name
+        assert all(s > 0 for s in pair["process_switches_per_step"]), name  # each side's rank 0 counted
 
 
 @pytest.mark.slow

@@ -537,10 +537,15 @@ class Turns:
     """Two process groups, both up, taking turns on the machine block by block, so that a comparison of
     the two is not swamped by the machine's drift (on this shared machine a whole run's speed moves by
     up to 2x from one minute to the next). The file at `path` names whose block is next ("side:block");
-    each side's rank 0 polls it every 5 ms while the other side trains, and its other ranks wait in a
-    barrier (gloo's wait sleeps). Sides go in the order of `sides`, the first one first in each block.
+    each side's rank 0 polls it every `POLL_S` while the other side trains, and its other ranks wait in a
+    barrier (gloo's wait sleeps). The poll is all that the waiting side does, and each of its wakeups can
+    preempt a rank of the side whose turn it is (sooner if that side runs at a higher nice, as Ray's
+    workers do at 15 against a plain process's 0), so it polls seldom: at 20 ms, 50 wakeups a second, and
+    a turn passes up to 20 ms late, outside the timed blocks. Sides go in the order of `sides`, the first one first in each block.
     Every rank of a side calls each method at the same points; `torch.distributed` is set up.
     """
+
+    POLL_S = 0.02
 
     def __init__(self, path: str | Path, sides: tuple[str, str], side: str) -> None:
         self.path, self.sides, self.side = str(path), sides, side
@@ -567,7 +572,7 @@ class Turns:
                 raise RuntimeError(f"{self.other}, the other side of the comparison, failed")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.side}: no {what} after {timeout_s:.0f} s")
-            time.sleep(0.005)
+            time.sleep(self.POLL_S)
 
     def ready(self) -> None:
         """This side has set up and warmed up: wait until the other has too."""

@@ -579,7 +579,7 @@ def main() -> None:
                 },
                 "notes": [
                     "Both sides up at once, taking turns block by block (bench/common.py Turns): the side "
-                    "waiting for its turn idles (its rank 0 polls a file every 5 ms). Each block's ratio is "
+                    "waiting for its turn idles (its rank 0 polls a file every 20 ms). Each block's ratio is "
                     "of the raylora block and the Trainer block after it.",
                     "Useful tokens: raylora's, the non-padding positions its passes compute (train_step's "
                     "tokens_per_s); the Trainer's, include_num_input_tokens_seen='non_padding'. The two "

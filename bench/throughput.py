@@ -16,7 +16,7 @@ Runs alternate (1, 2, 3, 1, 2, 3, ...) so that load from other work on the machi
    looked for. So two process pairs are up at once, Ray Train workers (a probe group) and plain
    processes, each after the same setup and warm-up steps, and they take turns: blocks of `train_step`
    calls, one side's block, then the other's, while the side whose turn it is not waits (rank 0 polls a
-   file every 5 ms, the other ranks wait in a gloo barrier). Each pair of adjacent blocks gives a ratio.
+   file every 20 ms, the other ranks wait in a gloo barrier). Each pair of adjacent blocks gives a ratio.
    Without reports, checkpoints or the controller's work for a run, it isolates what running inside a
    Ray Train worker process costs `train_step` itself; with each block, the training thread's and the
    whole process's context switches (/proc).
@@ -497,7 +497,7 @@ def main() -> None:
                 "and taking turns block by block (module docstring); ray_over_plain is the median of the "
                 "adjacent blocks' ratios. It leaves out what a run adds around train_step (reports, the "
                 "controller's polls for a run's reports, checkpoints), and the side waiting for its turn "
-                "idles (its rank 0 polls a file every 5 ms) while the other trains.",
+                "idles (its rank 0 polls a file every 20 ms) while the other trains.",
             ],
         },
     )

@@ -541,8 +541,9 @@ class Turns:
     barrier (gloo's wait sleeps). The poll is all that the waiting side does, and each of its wakeups can
     preempt a rank of the side whose turn it is (sooner if that side runs at a higher nice, as Ray's
     workers do at 15 against a plain process's 0), so it polls seldom: at 20 ms, 50 wakeups a second, and
-    a turn passes up to 20 ms late, outside the timed blocks. Sides go in the order of `sides`, the first one first in each block.
-    Every rank of a side calls each method at the same points; `torch.distributed` is set up.
+    a turn passes up to 20 ms late, outside the timed blocks. Sides go in the order of `sides`, the first
+    one first in each block. Every rank of a side calls each method at the same points;
+    `torch.distributed` is set up.
     """
 
     POLL_S = 0.02

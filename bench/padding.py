@@ -285,6 +285,8 @@ def _steps(rank: int, world: int, cfg, steps: int, out: str) -> None:
 
 HF_MEGABATCH_STEPS = 8  # the Trainer's LengthGroupedSampler sorts groups of 16 x 8 samples: 8 steps of 16
 MICRO, MAX_LENGTH = 4, 384  # the measured steps' micro batch size and data.max_length
+# a pass's token budget, packed or padded: the padded micro batch's worst case, so the same memory bound
+TOKEN_BUDGET = f"train.max_tokens_per_micro_batch={MICRO * MAX_LENGTH}"
 
 
 def _mix(args, kind: str, work: Path) -> tuple[str, int, str, str, int | None]:
@@ -335,11 +337,8 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
         # length-grouped sampler makes them from 512 rows (`GlobalSampler.group_steps`)
         "padded_grouped": ["train.group_by_length=true"],
         # padded micro batches cut by the token budget (rows x their longest), longest first
-        "padded_budgeted": [
-            "train.group_by_length=true",
-            f"train.max_tokens_per_micro_batch={micro * max_length}",
-        ],
-        "packed": ["train.packing=true", f"train.max_tokens_per_micro_batch={micro * max_length}"],
+        "padded_budgeted": ["train.group_by_length=true", TOKEN_BUDGET],
+        "packed": ["train.packing=true", TOKEN_BUDGET],
     }
     inputs = {mode: data for mode in modes}
     counted = None
@@ -493,7 +492,7 @@ def turns(args, kind: str, warmup: int, blocks: int, n: int, budget: bool = Fals
     arch, width, model, data, max_pixels = _mix(args, kind, work)
     counted = token_lengths(load_processor(model, max_pixels), data)
     steps = warmup + blocks * n
-    overrides = [f"train.max_tokens_per_micro_batch={MICRO * MAX_LENGTH}"] if budget else []
+    overrides = [TOKEN_BUDGET] if budget else []
     cfg = tiny_run_config(
         model,
         _trainer_rows_file(data, counted),
@@ -565,7 +564,7 @@ def main() -> None:
         warmup, n = (1, 2) if args.tiny else (HF_MEGABATCH_STEPS, HF_MEGABATCH_STEPS)
         mixes = ("llava_instruct", "qwen2_vl")
         results = {kind: turns(args, kind, warmup, args.turns, n, args.budget) for kind in mixes}
-        budget_text = f", train.max_tokens_per_micro_batch={MICRO * MAX_LENGTH}" if args.budget else ""
+        budget_text = f", {TOKEN_BUDGET}" if args.budget else ""
         common.write_result(
             args,
             "padding_turns_budgeted" if args.budget else "padding_turns",

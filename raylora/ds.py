@@ -11,6 +11,7 @@ from here.
 
 from __future__ import annotations
 
+import os
 import sys
 
 _hidden = "mlflow" not in sys.modules
@@ -48,4 +49,18 @@ try:
 finally:
     _compiler.compile = _compile
 
-__all__ = ["SKIPPED_OPS", "ZeroParamStatus", "deepspeed"]
+
+def tell_local_size() -> None:
+    """Give DeepSpeed's CPU accelerator the number of ranks on this node, as DeepSpeed's own launcher does
+    (`LOCAL_SIZE`, deepspeed/launcher/launch.py). Without it, its `device_count()` runs `numactl --hardware`
+    in a child process each time it is asked, and ZeRO-3 asks at every gradient reduce-scatter: a fork and
+    exec per step on every rank (numactl or not), and, through `os.get_exec_path`'s `catch_warnings`, every
+    warning filter reset, so torch's deprecation warnings for DeepSpeed's collectives print again each step
+    and, in a Ray worker, go through Ray's log monitor to the driver. The GPU accelerators count devices
+    without it; the variable is read only by the CPU one."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")  # set by Ray Train (and torchrun) on every worker
+    if local and "LOCAL_SIZE" not in os.environ:
+        os.environ["LOCAL_SIZE"] = local
+
+
+__all__ = ["SKIPPED_OPS", "ZeroParamStatus", "deepspeed", "tell_local_size"]

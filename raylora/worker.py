@@ -41,7 +41,7 @@ from raylora.data.pipeline import step_inputs
 from raylora.data.processor import load_processor
 from raylora.data.sampler import GlobalSampler
 from raylora.drills import maybe_kill
-from raylora.ds import deepspeed
+from raylora.ds import deepspeed, tell_local_size
 from raylora.evaluate import evaluate_sharded
 from raylora.loss import answer_positions, answer_token_losses
 from raylora.model import build_model, mark_trained, shapes
@@ -91,6 +91,7 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | Non
     determinism.use_deterministic_kernels(cfg.train.deterministic)  # first: before any cuBLAS call
     # DeepSpeed adopts the process group Ray Train set up (gloo on CPU, nccl on GPU); zero.Init inside
     # from_pretrained needs it to know the world size.
+    tell_local_size()
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
     started = [count_attempt(cfg.run.storage_path, cfg.run.name) if rank == 0 else 0]

@@ -273,3 +273,42 @@ def test_workers_skip_deepspeeds_inference_shm_op():
 
     assert ShareMemCommBuilder.NAME in SKIPPED_OPS
     assert build_shm_op() is None
+
+
+def test_zero3_steps_start_no_process_once_the_local_size_is_told():
+    """DeepSpeed's CPU accelerator counts its devices by running `numactl --hardware` unless LOCAL_SIZE
+    is set, and ZeRO-3 asks at every gradient reduce-scatter: a child process per step on every rank (and
+    every warning filter reset with it). `tell_local_size`, which `worker.setup` calls, passes it Ray
+    Train's LOCAL_WORLD_SIZE; the audit hook sees each `subprocess.Popen`, before it and after it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys, torch, torch.distributed as dist\n"
+        "from raylora.ds import deepspeed, tell_local_size\n"
+        "from deepspeed.accelerator import get_accelerator\n"
+        "spawned = []\n"
+        "sys.addaudithook(lambda event, args: event == 'subprocess.Popen' and spawned.append(args[1]))\n"
+        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[1], RANK='0', WORLD_SIZE='1',"
+        " LOCAL_RANK='0', LOCAL_WORLD_SIZE='1')\n"
+        "os.environ.pop('LOCAL_SIZE', None)\n"
+        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "deepspeed.init_distributed(dist_backend='gloo')\n"
+        "config = {'train_micro_batch_size_per_gpu': 1, 'zero_optimization': {'stage': 3},\n"
+        "          'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3, 'torch_adam': True}}}\n"
+        "engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config=config)\n"
+        "def steps(n):\n"
+        "    spawned.clear()\n"
+        "    for _ in range(n):\n"
+        "        engine.backward(engine(torch.ones(1, 4)).sum())\n"
+        "        engine.step()\n"
+        "    return list(spawned)\n"
+        "untold = steps(3)\n"
+        "assert len(untold) >= 3 and all('numactl' in str(a) for a in untold), untold\n"
+        "tell_local_size()\n"
+        "assert os.environ['LOCAL_SIZE'] == '1' and get_accelerator().device_count() == 1\n"
+        "assert steps(3) == [], 'a ZeRO-3 step still starts a process'\n"
+    )
+    port = str(free_port())
+    proc = subprocess.run([sys.executable, "-c", code, port], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

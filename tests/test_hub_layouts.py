@@ -293,6 +293,43 @@ def test_hub_layout_loads(tiny_folders, tmp_path, torchvision, arch, template, t
             assert tokenizer.tokenize(token) == [token]
 
 
+def test_a_folder_saved_image_only_loads_with_and_without_torchvision(tiny_folders, torchvision):
+    """raylora's own tiny Qwen2-VL folder is saved from the image-only processor, so its
+    processor_config.json holds no video processor. Where torchvision is installed (GPU nodes), transformers'
+    AutoProcessor failed on it ("Can't load video processor", seen on a GPU node by make gpu-check, in the
+    demo's model as in the tests'): it loads in its image-only form there too."""
+    processor = processor_module.load_processor(tiny_folders["qwen2_vl"])
+    assert type(processor).__name__ == "Qwen2VLProcessor"
+    assert getattr(processor, "video_processor", None) is None
+    image = Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8))
+    batch = processor(
+        text=["<|vision_start|><|image_pad|><|vision_end|>"], images=[image], return_tensors="pt"
+    )
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 4]]
+
+
+def test_which_folders_load_image_only(tiny_folders, tmp_path):
+    """Image-only where torchvision is missing, or where the folder holds nothing a video processor is
+    read from (video_preprocessor_config.json, preprocessor_config.json, which transformers reads for it,
+    or a `video_processor` in processor_config.json); a processor without a video part never."""
+    image_only = processor_module.image_only
+    tiny = tiny_folders["qwen2_vl"]
+    assert image_only(tiny, "Qwen2VLProcessor", torchvision=False)
+    assert image_only(tiny, "Qwen2VLProcessor", torchvision=True)
+    saved = json.loads((tiny / "processor_config.json").read_text())
+    for name, settings in [
+        ("preprocessor_config.json", saved["image_processor"]),  # as the Hub's Qwen2-VL folders hold it
+        ("video_preprocessor_config.json", saved["image_processor"]),
+        ("processor_config.json", saved | {"video_processor": saved["image_processor"]}),
+    ]:
+        folder = shutil.copytree(tiny, tmp_path / name)
+        _write_json(folder / name, settings)
+        assert not image_only(folder, "Qwen2VLProcessor", torchvision=True), name
+        assert image_only(folder, "Qwen2VLProcessor", torchvision=False), name
+    for torchvision in (False, True):
+        assert not image_only(tiny_folders["llava"], "LlavaProcessor", torchvision=torchvision)
+
+
 def test_processor_class_lookup_order(tmp_path):
     """processor_config.json, then preprocessor_config.json (or in its place the video processor's), then
     tokenizer_config.json, then config.json's model type: the order of transformers' AutoProcessor."""

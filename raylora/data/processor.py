@@ -33,7 +33,12 @@ import transformers
 from transformers.image_utils import SizeDict
 from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES, processor_class_from_name
 from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
-from transformers.utils import is_torchvision_available
+from transformers.utils import (
+    IMAGE_PROCESSOR_NAME,
+    PROCESSOR_NAME,
+    VIDEO_PROCESSOR_NAME,
+    is_torchvision_available,
+)
 
 from raylora.config import ConfigError
 
@@ -183,10 +188,10 @@ def processor_class_name(model_path: str | Path) -> str | None:
 
 
 def _from_pretrained(model_path: str | Path, trust_remote_code: bool = False):
-    """The folder's processor: `AutoProcessor.from_pretrained(model_path)` where torchvision is installed,
-    else the same class loaded without it (`TORCHVISION_FREE`) or in its image-only form (processors with
-    a video part). Reads only the config, tokenizer and processor files, so it serves the driver's checks
-    on a folder without weights."""
+    """The folder's processor: `AutoProcessor.from_pretrained(model_path)`, but a processor with a video
+    part in its image-only form where that part cannot load (`image_only`), and the classes transformers
+    marks as needing torchvision loaded without it where it is missing (`TORCHVISION_FREE`). Reads only the
+    config, tokenizer and processor files, so it serves the driver's checks on a folder without weights."""
     folder = Path(model_path)
     if _sentencepiece_only(folder) and importlib.util.find_spec("sentencepiece") is None:
         # transformers would fall through to its tiktoken reader and ask for tiktoken instead
@@ -199,12 +204,10 @@ def _from_pretrained(model_path: str | Path, trust_remote_code: bool = False):
         processor = transformers.AutoProcessor.from_pretrained(
             model_path, trust_remote_code=trust_remote_code
         )
-    elif is_torchvision_available() or name is None:
-        processor = transformers.AutoProcessor.from_pretrained(model_path)
-    elif name in TORCHVISION_FREE:
+    elif name is not None and image_only(folder, name, is_torchvision_available()):
+        processor = image_only_processor_class(processor_class_from_name(name)).from_pretrained(model_path)
+    elif name in TORCHVISION_FREE and not is_torchvision_available():
         processor = TORCHVISION_FREE[name]().from_pretrained(model_path)
-    elif _has_video_part(cls := processor_class_from_name(name)):
-        processor = image_only_processor_class(cls).from_pretrained(model_path)
     else:
         processor = transformers.AutoProcessor.from_pretrained(model_path)
     _complete_from_tokenizer_files(processor, folder)
@@ -221,6 +224,24 @@ def _remote_processor(folder: Path) -> bool:
 
 def _sentencepiece_only(folder: Path) -> bool:
     return (folder / "tokenizer.model").exists() and not (folder / "tokenizer.json").exists()
+
+
+def image_only(folder: Path, name: str, torchvision: bool) -> bool:
+    """Whether the folder's processor class `name` is loaded without its video processor (raylora trains
+    on images only): where torchvision, which transformers' video processors need, is missing, and also
+    where it is installed but the folder holds no video processor settings. A Hub folder holds them
+    (Qwen2-VL's `preprocessor_config.json`, which transformers reads for the video processor too); one
+    saved from an image-only processor (raylora's tiny models, built where torchvision may be missing)
+    keeps only the image processor in `processor_config.json`, and `AutoProcessor` fails on it when
+    torchvision is installed ("Can't load video processor")."""
+    if name in TORCHVISION_FREE or not _has_video_part(processor_class_from_name(name)):
+        return False
+    if not torchvision:
+        return True
+    if (folder / VIDEO_PROCESSOR_NAME).exists() or (folder / IMAGE_PROCESSOR_NAME).exists():
+        return False
+    nested = folder / PROCESSOR_NAME
+    return not (nested.exists() and "video_processor" in json.loads(nested.read_text()))
 
 
 def _has_video_part(cls) -> bool:

@@ -234,33 +234,41 @@ def test_a_worker_imports_deepspeed_without_mlflow_and_mlflow_still_imports_afte
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_a_zero3_engine_starts_without_importing_torchinductor():
-    """raylora.ds imports DeepSpeed's Muon module with DeepSpeed's compile hook handing functions back:
-    a ZeRO-3 engine's start (which imports that module) no longer imports TorchInductor's compiler
-    (2.7 s of every worker start), Muon's class is DeepSpeed's, and torch.compile is untouched."""
+def _on_one_rank_zero3_engine(before: str, after: str) -> None:
+    """Run `before`, a one-rank gloo group with a ZeRO-3 engine (`engine`) on a small Linear, then `after`,
+    in a fresh Python process (what DeepSpeed imports and sets is process-wide); it must exit cleanly."""
     import subprocess
     import sys
 
     code = (
         "import os, sys, torch, torch.distributed as dist\n"
-        "from raylora.ds import deepspeed\n"
-        "from deepspeed.runtime import compiler\n"
-        "from deepspeed.runtime.zero.muon import original_muon\n"
-        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[1], RANK='0', WORLD_SIZE='1',"
+        + before
+        + "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[1], RANK='0', WORLD_SIZE='1',"
         " LOCAL_RANK='0')\n"
         "dist.init_process_group('gloo', rank=0, world_size=1)\n"
         "deepspeed.init_distributed(dist_backend='gloo')\n"
         "config = {'train_micro_batch_size_per_gpu': 1, 'zero_optimization': {'stage': 3},\n"
         "          'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3, 'torch_adam': True}}}\n"
-        "engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config=config)\n"
-        "assert type(engine.optimizer).__name__ == 'DeepSpeedZeroOptimizer_Stage3'\n"
-        "assert 'torch._inductor.compile_fx' not in sys.modules, 'TorchInductor was imported'\n"
-        "assert type(original_muon.zeropower_via_newtonschulz5).__name__ == 'function'  # eager\n"
-        "assert compiler.compile() is torch.compile\n"
+        "engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config=config)\n" + after
     )
     port = str(free_port())
     proc = subprocess.run([sys.executable, "-c", code, port], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_zero3_engine_starts_without_importing_torchinductor():
+    """raylora.ds imports DeepSpeed's Muon module with DeepSpeed's compile hook handing functions back:
+    a ZeRO-3 engine's start (which imports that module) no longer imports TorchInductor's compiler
+    (2.7 s of every worker start), Muon's class is DeepSpeed's, and torch.compile is untouched."""
+    _on_one_rank_zero3_engine(
+        "from raylora.ds import deepspeed\n"
+        "from deepspeed.runtime import compiler\n"
+        "from deepspeed.runtime.zero.muon import original_muon\n",
+        "assert type(engine.optimizer).__name__ == 'DeepSpeedZeroOptimizer_Stage3'\n"
+        "assert 'torch._inductor.compile_fx' not in sys.modules, 'TorchInductor was imported'\n"
+        "assert type(original_muon.zeropower_via_newtonschulz5).__name__ == 'function'  # eager\n"
+        "assert compiler.compile() is torch.compile\n",
+    )
 
 
 def test_workers_skip_deepspeeds_inference_shm_op():
@@ -280,23 +288,13 @@ def test_zero3_steps_start_no_process_once_the_local_size_is_told():
     is set, and ZeRO-3 asks at every gradient reduce-scatter: a child process per step on every rank (and
     every warning filter reset with it). `tell_local_size`, which `worker.setup` calls, passes it Ray
     Train's LOCAL_WORLD_SIZE; the audit hook sees each `subprocess.Popen`, before it and after it."""
-    import subprocess
-    import sys
-
-    code = (
-        "import os, sys, torch, torch.distributed as dist\n"
+    _on_one_rank_zero3_engine(
         "from raylora.ds import deepspeed, tell_local_size\n"
         "from deepspeed.accelerator import get_accelerator\n"
         "spawned = []\n"
         "sys.addaudithook(lambda event, args: event == 'subprocess.Popen' and spawned.append(args[1]))\n"
-        "os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=sys.argv[1], RANK='0', WORLD_SIZE='1',"
-        " LOCAL_RANK='0', LOCAL_WORLD_SIZE='1')\n"
-        "os.environ.pop('LOCAL_SIZE', None)\n"
-        "dist.init_process_group('gloo', rank=0, world_size=1)\n"
-        "deepspeed.init_distributed(dist_backend='gloo')\n"
-        "config = {'train_micro_batch_size_per_gpu': 1, 'zero_optimization': {'stage': 3},\n"
-        "          'optimizer': {'type': 'AdamW', 'params': {'lr': 1e-3, 'torch_adam': True}}}\n"
-        "engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 4), config=config)\n"
+        "os.environ.update(LOCAL_WORLD_SIZE='1')\n"
+        "os.environ.pop('LOCAL_SIZE', None)\n",
         "def steps(n):\n"
         "    spawned.clear()\n"
         "    for _ in range(n):\n"
@@ -307,8 +305,5 @@ def test_zero3_steps_start_no_process_once_the_local_size_is_told():
         "assert len(untold) >= 3 and all('numactl' in str(a) for a in untold), untold\n"
         "tell_local_size()\n"
         "assert os.environ['LOCAL_SIZE'] == '1' and get_accelerator().device_count() == 1\n"
-        "assert steps(3) == [], 'a ZeRO-3 step still starts a process'\n"
+        "assert steps(3) == [], 'a ZeRO-3 step still starts a process'\n",
     )
-    port = str(free_port())
-    proc = subprocess.run([sys.executable, "-c", code, port], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -357,9 +357,12 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         samples["plain"].append(rate(times, warmup))
         add_cores("plain", sampler, times)
 
-    blocks, per_block = turn_blocks(args)
-    turns_cfg = cfg(f"turns-w{width}", f"train.max_steps={3 + blocks * per_block}")
-    turns = in_worker(work / f"turns-w{width}", turns_cfg, blocks, per_block)
+    # --tiny (the smoke test) leaves out in_worker too: `--where --tiny` runs it, and the smoke runs both
+    turns = None
+    if not args.tiny:
+        blocks, per_block = turn_blocks(args)
+        turns_cfg = cfg(f"turns-w{width}", f"train.max_steps={3 + blocks * per_block}")
+        turns = in_worker(work / f"turns-w{width}", turns_cfg, blocks, per_block)
 
     med = {k: common.median(v) for k, v in samples.items()}
     figures = {
@@ -373,8 +376,9 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         },
         "plain_seconds_per_step": 1 / med["plain"],
         "ray_seconds_added_per_step": 1 / med["raylora"] - 1 / med["plain"],
-        "in_worker": turns,
     }
+    if turns is not None:
+        figures["in_worker"] = turns
     ratios = {
         "raylora_over_plain": med["raylora"] / med["plain"],
         "raylora_over_plain_per_pair": [

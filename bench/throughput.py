@@ -9,7 +9,9 @@
 3. The same ZeRO-3 loop without Ray: 2 processes from torch.multiprocessing, gloo, calling
    `raylora.worker.setup` and `raylora.worker.train_step` directly; same model, config and batches.
 
-Runs alternate (1, 2, 3, 1, 2, 3, ...) so that load from other work on the machine hits all three.
+Each repeat runs 1 and 3 back to back (a pair), then 2; the next repeat runs them in the opposite
+order (2, 3, 1), so that the drift of the machine's speed between the two runs of a pair counts for
+raylora in half the pairs and against it in the other half.
 
 4. `in_worker`: where the difference sits, measured so that the machine's drift cancels. On this shared
    machine a whole run's speed moves by up to 2x from one minute to the next, more than the difference
@@ -328,27 +330,26 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         for group, value in sampler.cores(times[warmup - 1], times[-2]).items():
             cores[label].setdefault(group, []).append(value)
 
-    for rep in range(reps):
-        name = f"w{width}-{rep}"
-        for variant, more in variants.items():
-            c = cfg(f"throughput-{variant}-{name}", *more)
-            preflight(c)
-            load[variant].append(os.getloadavg()[0])
-            clock = work / f"clock-{variant}-{name}.jsonl"
-            sampler = common.CpuSampler() if variant == "raylora" else None
-            result = make_trainer(c, [common.step_clock(clock)]).fit()
-            assert result.error is None, result.error
-            rows = [r for r in common.read_clock(clock) if r["restarts"] == 0]
-            assert [r["step"] for r in rows] == list(range(1, steps + 1)), "a step's row is missing"
-            samples[variant].append(rate([r["t"] for r in rows], warmup))
-            if variant == "raylora":
-                add_cores("raylora", sampler, [r["t"] for r in rows])
-                reports.append(len({r["reported"] for r in rows}))
-                history = result.return_value or []
-                # train_step's own time, without reporting: what Ray costs on top of it
-                per_step = [c.train.global_batch_size / h["samples_per_s"] for h in history[warmup:-1]]
-                in_step.append(len(per_step) / sum(per_step))
+    def ray_run(variant: str, name: str) -> None:
+        c = cfg(f"throughput-{variant}-{name}", *variants[variant])
+        preflight(c)
+        load[variant].append(os.getloadavg()[0])
+        clock = work / f"clock-{variant}-{name}.jsonl"
+        sampler = common.CpuSampler() if variant == "raylora" else None
+        result = make_trainer(c, [common.step_clock(clock)]).fit()
+        assert result.error is None, result.error
+        rows = [r for r in common.read_clock(clock) if r["restarts"] == 0]
+        assert [r["step"] for r in rows] == list(range(1, steps + 1)), "a step's row is missing"
+        samples[variant].append(rate([r["t"] for r in rows], warmup))
+        if variant == "raylora":
+            add_cores("raylora", sampler, [r["t"] for r in rows])
+            reports.append(len({r["reported"] for r in rows}))
+            history = result.return_value or []
+            # train_step's own time, without reporting: what Ray costs on top of it
+            per_step = [c.train.global_batch_size / h["samples_per_s"] for h in history[warmup:-1]]
+            in_step.append(len(per_step) / sum(per_step))
 
+    def plain_run(name: str) -> None:
         out = work / f"plain-{name}.json"
         load["plain"].append(os.getloadavg()[0])
         sampler = common.CpuSampler()
@@ -356,6 +357,23 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         times = json.loads(out.read_text())["times"]
         samples["plain"].append(rate(times, warmup))
         add_cores("plain", sampler, times)
+
+    order = []
+    for rep in range(reps):
+        name = f"w{width}-{rep}"
+        # A pair is back to back (raylora's run, then the plain loop's, or the other way round), and the
+        # order flips from one pair to the next: whichever side runs first, on a machine whose speed
+        # drifts, the drift between the two halves of a pair changes sign from pair to pair instead of
+        # counting against one side in every pair. The every-step variant comes before or after the pair.
+        runs = ["raylora", "plain", *(v for v in variants if v != "raylora")]
+        if rep % 2:
+            runs.reverse()
+        order.append(runs)
+        for run in runs:
+            if run == "plain":
+                plain_run(name)
+            else:
+                ray_run(run, name)
 
     # --tiny (the smoke test) leaves out in_worker too: `--where --tiny` runs it, and the smoke runs both
     turns = None
@@ -392,6 +410,7 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
     return {
         "model": f"tiny llava width {width}, {layers}+{layers} layers",
         "overrides": overrides,
+        "order_of_runs": order,
         "load_average_1min_before_each_run": load,
         "figures": figures,
         "ratios": ratios,
@@ -400,7 +419,7 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
 
 def main() -> None:
     p = common.parser(__doc__)
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 40, --tiny 6)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 100, --tiny 6)")
     p.add_argument(
         "--warmup", type=int, default=None, help="steps left out at the start (default 5, --tiny 2)"
     )
@@ -417,7 +436,7 @@ def main() -> None:
     )
     args = p.parse_args()
     reps = common.repeats(args, 3)
-    steps = args.steps or (6 if args.tiny else 40)
+    steps = args.steps or (6 if args.tiny else 100)
     warmup = args.warmup or (2 if args.tiny else 5)
     work = Path(args.work) / "throughput"
     shutil.rmtree(work, ignore_errors=True)
@@ -493,7 +512,9 @@ def main() -> None:
                 "that already fill both cores, and raylora_train_step_only_steps_per_s drops with it.",
                 "Ray Train 2.60 takes one report per controller poll (a one-deep queue), so raylora polls "
                 "every 0.1 s; a slower poll caps training at one step per poll (0.5 s: 2 steps/s here).",
-                "The ratio is of medians; raylora_over_plain_per_pair gives each back-to-back pair's ratio.",
+                "The ratio is of medians; raylora_over_plain_per_pair gives each back-to-back pair's ratio. "
+                "order_of_runs: each repeat's runs in the order they ran; the pair's order flips from one "
+                "repeat to the next.",
                 "The Ray here is raylora's own local one (init_ray: no preemption watcher, no metrics "
                 "export); the plain loop runs beside the same, idle, Ray. cores_while_training splits "
                 "Ray's processes by kind; a group's cores divided by the steps/s is its CPU per step.",

@@ -247,8 +247,24 @@ def metric_callbacks(cfg: Config) -> list:
     return callbacks
 
 
+# Ray Train's controller polls the workers every RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray's default 2 s)
+# and takes one reported result per poll, while a worker's report waits until the previous one was taken
+# (a queue of one): a poll as slow as the reports would hold training back, at one step per poll when
+# every step reports. Each poll also wakes the controller and, with an actor call, every worker process:
+# CPU that workers filling a small machine's cores lose. So a run polls at half its report interval,
+# from 0.1 s (every step reporting) to 0.25 s (the 2-s default and slower); the controller took 0.025,
+# 0.017 and 0.013 cores here polling every 0.1, 0.25 and 0.5 s beside the demo's training.
+POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
+
+def controller_poll_s(report_every_s: float) -> float:
+    """Seconds between the controller's polls of a run that reports every `report_every_s`."""
+    return min(max(report_every_s / 2, 0.1), 0.25)
+
+
 class Trainer(TorchTrainer):
-    """Ray Train's TorchTrainer less the helper actors that serve nothing in a raylora run.
+    """Ray Train's TorchTrainer less the helper actors that serve nothing in a raylora run, its
+    controller polling every `poll_s` seconds (`fit`).
 
     Ray Train 2.60 starts, beside the controller and the workers, a DatasetManager at every worker-group
     start (for Ray Datasets handed to the trainer: raylora reads its own rows and hands none) and, per
@@ -263,6 +279,25 @@ class Trainer(TorchTrainer):
     Ray pinned to 2.60; tests/test_config.py and tests/test_faults.py fail if an upgrade moves them).
     """
 
+    def __init__(self, *args, poll_s: float = 0.1, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.poll_s = poll_s
+
+    def fit(self) -> ray.train.Result:
+        """Ray Train's fit, its controller polling the workers every `poll_s` seconds (`POLL_ENV`).
+
+        The controller reads the interval from this process's environment as `fit` starts it (Ray
+        Train's `get_env_vars_to_propagate`; Ray has no argument for it), so the variable is set for as
+        long as `fit` runs. A value the environment already holds (the user's, or a probe group's) is
+        left as it is."""
+        if POLL_ENV in os.environ:
+            return super().fit()
+        os.environ[POLL_ENV] = f"{self.poll_s:g}"
+        try:
+            return super().fit()
+        finally:
+            os.environ.pop(POLL_ENV, None)
+
     def _create_default_callbacks(self):
         unneeded: tuple[type, ...] = () if self.datasets else (DatasetsCallback,)
         if started_here():
@@ -276,6 +311,7 @@ def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
     `cfg` crosses to the workers as it is: `config.load` already made its local paths absolute."""
     return Trainer(
         lambda: train_loop_per_worker(cfg),
+        poll_s=controller_poll_s(cfg.run.report_every_s),
         scaling_config=ray.train.ScalingConfig(
             num_workers=tuple(n) if isinstance(n := cfg.scaling.num_workers, list) else n,
             use_gpu=cfg.scaling.use_gpu,
@@ -296,10 +332,6 @@ def make_trainer(cfg: Config, callbacks: list | None = None) -> TorchTrainer:
     )
 
 
-# Ray Train's controller takes one reported result per poll of the workers (2 s by default) and a
-# worker's report blocks until the previous one is taken, so per-step reports would cap training at
-# one step per poll. Polling every 0.1 s costs nothing measurable on the small clusters this is for.
-RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
 # A Ray that raylora starts itself is one node, this machine, and ends with its driver: no cloud
 # provider drains it, so Ray Train's preemption watcher (an actor started with every worker group,
 # polling for drains) has nothing to watch; nobody scrapes its metrics (the workers' and agents' export
@@ -308,7 +340,7 @@ RAY_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.1"}
 # workers fill on a small machine (bench/throughput.py). The mark tells a Tune trial's driver, which runs
 # in a Ray worker process, that its Ray is one of these.
 LOCAL_RAY_MARK = "RAYLORA_STARTED_THIS_RAY"
-LOCAL_RAY_ENV = {**RAY_ENV, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", LOCAL_RAY_MARK: "1"}
+LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", LOCAL_RAY_MARK: "1"}
 LOCAL_RAY_SYSTEM_CONFIG = {"enable_metrics_collection": False}
 _started_session: str | None = None  # the session of the Ray that init_ray started in this process
 

@@ -51,14 +51,12 @@ def free_port() -> int:
 
 def start_ray(num_cpus: int | None = None, env_vars: dict[str, str] | None = None, address: str = "local"):
     """Start a Ray of the caller's own (`address="local"`) or connect to `address` (a
-    `ray.cluster_utils.Cluster`'s), its workers with raylora's runtime env plus `env_vars`; returns `ray`."""
+    `ray.cluster_utils.Cluster`'s), `env_vars` in its workers' runtime env; returns `ray`."""
     import ray
-
-    from raylora.driver import RAY_ENV
 
     use_ray_test_env()
     cpus = {} if num_cpus is None else {"num_cpus": num_cpus}  # connecting to a cluster takes no count
-    ray.init(address=address, runtime_env={"env_vars": {**RAY_ENV, **(env_vars or {})}}, **cpus)
+    ray.init(address=address, runtime_env={"env_vars": env_vars or {}}, **cpus)
     return ray
 
 
@@ -230,10 +228,15 @@ def straight_and_killed(model_dir, data, storage, kill_at: int, *overrides: str)
 
 
 def on_workers(
-    fn: Callable[[], Any], storage: str | Path, name: str, num_workers: int = 2, use_gpu: bool = False
+    fn: Callable[[], Any],
+    storage: str | Path,
+    name: str,
+    num_workers: int = 2,
+    use_gpu: bool = False,
+    poll_s: float = 0.1,
 ) -> Any:
     """Run `fn()` on `num_workers` Ray Train workers (gloo on CPU, NCCL with `use_gpu`, as raylora
-    trains); returns rank 0's return value."""
+    trains), the controller polling every `poll_s` seconds; returns rank 0's return value."""
     import ray.train
 
     from raylora import storage as storages
@@ -241,6 +244,7 @@ def on_workers(
 
     trainer = Trainer(
         fn,
+        poll_s=poll_s,
         scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
         # a URI (s3://) as it is: pathlib would fold its "//" into a local folder named "s3:"
         run_config=ray.train.RunConfig(name=name, storage_path=storages.absolute(str(storage))),
@@ -267,9 +271,6 @@ def _serve(requests, replies) -> None:
             replies.put(("ok", out))
 
 
-POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
-
-
 class ProbeGroup:
     """One Ray Train worker group, kept up in a thread of the driver, that runs function after function:
     `call(fn)` is `on_workers(fn, ...)` without a new group's start.
@@ -285,6 +286,8 @@ class ProbeGroup:
     def __init__(self, storage: str | Path, num_workers: int) -> None:
         from ray.util.queue import Queue
 
+        from raylora.driver import POLL_ENV
+
         self.num_workers = num_workers
         self.requests, self.replies = Queue(), Queue()
         requests, replies = self.requests, self.replies
@@ -297,7 +300,7 @@ class ProbeGroup:
                 replies.put(("ended", f"the probe group failed: {err!r}"))
 
         # Idle between probes, the group's controller still polls its workers every
-        # RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: at raylora's 0.1 s (RAY_ENV, for per-step reports) that took
+        # RAY_TRAIN_HEALTH_CHECK_INTERVAL_S: at the 0.1 s of raylora's `Trainer` (for reports) that took
         # 0.03 cores here for as long as the group lives, most of a test session. The controller reads the
         # variable from this process's environment as it starts, so the group starts with 1 s, and the
         # environment is as it was once the group answers its first call: later runs poll as raylora's do.

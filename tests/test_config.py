@@ -166,6 +166,43 @@ def test_trainer_leaves_out_the_helper_actors_a_raylora_run_does_not_use(tmp_pat
     assert kinds() == on_a_cluster - {PlacementGroupCleanerCallback}
 
 
+def test_a_runs_controller_polls_faster_than_it_reports(tmp_path, monkeypatch):
+    """Ray Train takes one report per poll and a report waits for the previous one to be taken: a run's
+    trainer polls at least twice per report interval (every step reporting: 0.1 s), and no faster than
+    every 0.1 s nor slower than every 0.25 s, however seldom it reports."""
+    from raylora.driver import controller_poll_s, make_trainer
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    for every in (0.0, 0.05, 0.3, 1.0, 2.0, 600.0):
+        cfg = config.load(None, ["model.path=model", "data.train=t.parquet", f"run.report_every_s={every}"])
+        poll = make_trainer(cfg).poll_s
+        assert poll == controller_poll_s(every)
+        assert 0.1 <= poll <= 0.25
+        assert poll <= every / 2 or poll == 0.1, (every, poll)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_controller_and_workers_get_the_trainers_poll_and_the_env_is_restored(
+    ray_cluster, probes, tmp_path, monkeypatch
+):
+    """Ray Train's controller reads its poll from the driver's environment as `fit` starts it, and hands
+    it on to the workers: a run's `Trainer` sets it for its fit and removes it after; one that the
+    environment already holds (the probe group's 1 s here, or a user's) is left as it is."""
+    import os
+
+    from raylora.driver import POLL_ENV
+    from tests.support import on_workers
+
+    monkeypatch.delenv(POLL_ENV, raising=False)
+    assert probes(lambda: os.environ.get(POLL_ENV)) == "1"
+    assert POLL_ENV not in os.environ
+    seen = on_workers(lambda: os.environ.get(POLL_ENV), tmp_path, "poll", num_workers=1, poll_s=0.25)
+    assert seen == "0.25"
+    assert POLL_ENV not in os.environ
+
+
 def test_data_formats_named_in_config_are_the_readers():
     from raylora.config import DATA_FORMATS
     from raylora.data import formats

@@ -499,7 +499,8 @@ def main() -> None:
             "notes": [
                 "raylora's steps/s comes from each step's wall_time (when the step ended on rank 0, carried "
                 "in its metrics row), so it includes the ray.train.report calls between the steps, the "
-                "controller's polling (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S=0.1 as raylora's driver sets it) "
+                "controller's polling (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 0.25 s at the default report "
+                "interval, raylora.driver.controller_poll_s) "
                 "and the metrics log; the plain loop's from time.time() after each train_step.",
                 "raylora reports every run.report_every_s (default) with the rows of the steps in between; "
                 "raylora_every_step is run.report_every_s=0, one report per step as before.",
@@ -508,10 +509,11 @@ def main() -> None:
                 "ray_seconds_added_per_step is 1/raylora - 1/plain at the medians. If Ray's cost were a "
                 "fixed amount per step (the report's barrier), it would stay the same at the wider size and "
                 "the ratio would improve; if it grows with the step, it is a share of the CPU taken by "
-                "Ray's processes (raylet, GCS, dashboard, the controller polling every 0.1 s) from workers "
+                "Ray's processes (raylet, GCS, dashboard, the controller's polls) from workers "
                 "that already fill both cores, and raylora_train_step_only_steps_per_s drops with it.",
-                "Ray Train 2.60 takes one report per controller poll (a one-deep queue), so raylora polls "
-                "every 0.1 s; a slower poll caps training at one step per poll (0.5 s: 2 steps/s here).",
+                "Ray Train 2.60 takes one report per controller poll (a one-deep queue), so raylora polls at "
+                "half the report interval (0.1 s when every step reports); a slower poll would cap training "
+                "at one report per poll.",
                 "The ratio is of medians; raylora_over_plain_per_pair gives each back-to-back pair's ratio. "
                 "order_of_runs: each repeat's runs in the order they ran; the pair's order flips from one "
                 "repeat to the next.",

@@ -97,6 +97,30 @@ def test_bench_script_runs_tiny(script, smoke):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_throughput_alongside_pairs_take_turns_on_whole_runs(smoke):
+    """bench/throughput.py's goal figure: each pair a whole raylora run and the plain loop, up at once,
+    taking turns; both sides stepped in their own turns, which add up to the turns asked for, and the
+    goal is the median of the pairs' ratios."""
+    result = _result(smoke, "throughput")
+    size = result["sizes"]["tiny"]
+    along = size["figures"]["alongside"]
+    assert len(along["pairs"]) == result["setup"]["repeats"]
+    for pair in along["pairs"]:
+        for side in ("raylora", "plain"):
+            assert pair["steps_counted"][side] >= 1, pair
+            assert pair["seconds_of_turns"][side] == pytest.approx(
+                along["turns_per_side"] * along["seconds_per_turn"], rel=0.2
+            )
+        assert pair["raylora_over_plain"] == pytest.approx(
+            pair["raylora_steps_per_s"] / pair["plain_steps_per_s"]
+        )
+    ratios = size["ratios"]
+    assert ratios["alongside"] == pytest.approx(statistics.median(ratios["alongside_per_pair"]))
+    assert result["goal"]["value_by_size"]["tiny"] == ratios["alongside"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_throughput_where_takes_turns_in_each_comparison(smoke):
     """bench/throughput.py --where: Ray Train workers, plain Ray actor processes and plain processes, two
     at a time, each pair taking turns block by block; every block timed on both sides."""
@@ -211,3 +235,20 @@ def test_turns_alternate_block_by_block(tmp_path):
     order, codes = run(1)  # the second side fails in its second block; the first stops waiting for it
     assert order == ["first:0", "second:0", "first:1"]
     assert codes[0] != 0 and codes[1] != 0 and None not in codes
+
+
+def test_alongside_counts_each_side_over_its_own_turns_only():
+    """bench/throughput.py `active_rate`: a side that steps every 0.1 s while it runs and is stopped
+    between its turns is at 10 steps/s however long the other side's turns last; steps that ended outside
+    its turns (before the first) are not its turns' work."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import throughput
+
+    turns = [(10.0, 11.0), (15.0, 16.0), (30.0, 31.0)]
+    # before the turns (warm-up), then 0.1 s of its own time per step, across the stopped gaps
+    ticks = [1.0, 2.0, *(10.05 + 0.1 * i for i in range(10))]
+    ticks += [15.05 + 0.1 * i for i in range(10)] + [30.05 + 0.1 * i for i in range(10)]
+    rate, steps = throughput.active_rate(ticks, turns)
+    assert steps == 29 and rate == pytest.approx(10.0)
+    with pytest.raises(RuntimeError, match="1 step"):
+        throughput.active_rate([1.0, 10.5, 20.0], turns)

@@ -17,11 +17,11 @@ pairs and against it in the other half. The runs of 2 come after all the pairs.
 up at once, taking turns every 0.25 s: the side whose turn it is runs, every process of the other side
 (raylora's workers, controller and report barrier actor; the plain processes) is stopped with SIGSTOP
 until its next turn, and each side's steps/s counts its own turns only. On this shared machine the speed
-moves by 10-25% within seconds, so back-to-back pairs of whole runs scatter from 0.88 to 1.25 (2026-12-05);
-pairs taking turns every 0.25 s scatter by about 1%. Ray's cluster processes (raylet, GCS, agents, log
-monitor, idle workers) run through both sides' turns, as they run beside both halves of a sequential
-pair. A report every `run.report_every_s` of wall time comes twice as often per second of the run's own
-time (it is stopped half the time), which counts against raylora.
+moves by 10-25% within seconds, so back-to-back pairs of whole runs scatter from 0.77 to 1.25 (2026-12-05);
+pairs taking turns every 0.25 s from 0.93 to 0.95 in one series and 0.92 to 0.99 in another. Ray's
+cluster processes (raylet, GCS, agents, log monitor, idle workers) run through both sides' turns, as they
+run beside both halves of a sequential pair. A report every `run.report_every_s` of wall time comes twice
+as often per second of the run's own time (it is stopped half the time), which counts against raylora.
 
 4. `in_worker`: where the difference sits, measured so that the machine's drift cancels. On this shared
    machine a whole run's speed moves by up to 2x from one minute to the next, more than the difference
@@ -491,7 +491,7 @@ def turn_blocks(args) -> tuple[int, int]:
 def alongside_turns(args) -> tuple[int, float]:
     """(turns of each side, seconds per turn) of each `alongside` pair."""
     # Turns of 1 s gave pairs from 0.93 to 1.03 (6 pairs, 15 turns each); of 0.25 s, from 0.932 to 0.950
-    # (6 pairs, 60 turns each), 2026-12-05: the machine's speed moves within seconds.
+    # (6 pairs, 60 turns each) and 0.921 to 0.988 (5 pairs), 2026-12-05: the speed moves within seconds.
     return (2, 0.5) if args.tiny else (60, 0.25)
 
 

@@ -252,17 +252,19 @@ def metric_callbacks(cfg: Config) -> list:
 # (a queue of one): a poll as slow as the reports would hold training back, at one step per poll when
 # every step reports. Each poll also wakes the controller and, with an actor call, every worker process:
 # CPU that workers filling a small machine's cores lose. So a run polls at half its report interval,
-# from 0.1 s (every step reporting) to 1 s (the 2-s default and slower). Measured with the run and the
-# plain DeepSpeed loop taking turns every 0.25 s, each side stopped outside its turns (bench/throughput.py
-# `alongside`, 2026-12-05): the demo's run at 0.945 of the plain loop polling every 0.25 s (6 pairs,
-# 0.932-0.950), 0.977 every 1 s (3 pairs, 0.963-0.979). Slower than 1 s, a fault would be noticed later,
-# and the reports of checkpoint steps (they report at once) would wait longer for the previous one.
+# from 0.1 s (every step reporting) to 0.25 s (the 2-s default and slower); the controller took 0.025,
+# 0.017 and 0.013 cores here polling every 0.1, 0.25 and 0.5 s beside the demo's training. Slower costs
+# more than CPU: Ray registers a checkpoint only when a poll takes its report, so with checkpoints coming
+# faster than the polls a fault or a stopped job goes back further. Polling every 1 s at the 2-s default
+# (2026-12-05) gave no established gain (bench/throughput.py `alongside`: 0.961 of the plain loop, 0.965
+# polling every 0.25 s), and tests/test_faults.py's many-faults run then resumed from step 2's checkpoint
+# instead of step 4's and a stopped job in tests/test_jobs.py redid two checkpoint intervals instead of one.
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
 
 def controller_poll_s(report_every_s: float) -> float:
     """Seconds between the controller's polls of a run that reports every `report_every_s`."""
-    return min(max(report_every_s / 2, 0.1), 1.0)
+    return min(max(report_every_s / 2, 0.1), 0.25)
 
 
 class Trainer(TorchTrainer):

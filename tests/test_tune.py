@@ -57,7 +57,7 @@ def test_failed_trial_is_retried_then_killed_driver_resumes_both_trials(
     """One sweep, two faults in turn: each trial's worker dies before step 3 (run.max_failures=0 fails the
     Train run, so the trial fails and Tune retries it from its own step-2 checkpoint); once both retried
     trials have checkpointed again, the Tune driver itself is killed, and `raylora tune --resume` finishes
-    both from their newest checkpoints."""
+    both from their newest checkpoints (or, where one had already finished, leaves that one as it was)."""
     space = tmp_path / "space.yaml"
     lrs = [1.0e-3, 2.0e-3]
     space.write_text(f"train.lr: {{grid: {lrs}}}\n")
@@ -115,6 +115,12 @@ def test_failed_trial_is_retried_then_killed_driver_resumes_both_trials(
     driver.wait()
     interrupted = recorded_by_run()
     assert len(interrupted) == 2 and min(interrupted.values()) >= 4, interrupted
+    # The trials run side by side, but their retries start when Tune gets to them: where one retry started
+    # seconds after the other, the first trial can finish all 12 steps before the second records step 4.
+    # The second is then always mid-run (the kill comes within a poll of its step 4), and the finished
+    # trial must come out of the resume as it was: not trained again.
+    finished = {name for name, step in interrupted.items() if step == 12}
+    assert len(finished) < 2, interrupted
     resumed = subprocess.run(
         cmd + ["--resume"], cwd=root, env=env, capture_output=True, text=True, timeout=900
     )
@@ -126,13 +132,18 @@ def test_failed_trial_is_retried_then_killed_driver_resumes_both_trials(
     trained_lrs = []
     for run_name in runs:
         final = _final(tmp_path, run_name)
-        # one restart for Tune's retry of the failed trial, at least one more for the killed driver
-        assert final.state.step == 12 and final.state.restarts >= 2, (run_name, final.state.restarts)
         rows = read_metrics(str(tmp_path), run_name)
+        trace = [(r["step"], r["restarts"]) for r in rows]
         steps = {k: [r["step"] for r in rows if r["restarts"] == k] for k in (0, 1)}
-        # the retry went on from step 2's checkpoint; the killed driver's resume from the newest recorded
-        assert steps[0][-1] == 2 and steps[1][0] == 3, [(r["step"], r["restarts"]) for r in rows]
+        # the retry went on from step 2's checkpoint
+        assert steps[0][-1] == 2 and steps[1][0] == 3, trace
         after = [r["step"] for r in rows if r["restarts"] >= 2]
-        assert after[0] == interrupted[run_name] + 1, [(r["step"], r["restarts"]) for r in rows]
+        if run_name in finished:
+            assert final.state.step == 12 and final.state.restarts == 1 and not after, (run_name, trace)
+        else:
+            # one restart for Tune's retry, at least one more for the killed driver, whose resume went on
+            # from the newest recorded checkpoint
+            assert final.state.step == 12 and final.state.restarts >= 2, (run_name, final.state.restarts)
+            assert after[0] == interrupted[run_name] + 1, trace
         trained_lrs.append(final.state.config["train"]["lr"])
     assert sorted(trained_lrs) == lrs, "each trial trained at its own point of the space"

@@ -373,6 +373,19 @@ def collective_figures(samples: list[tuple[float, dict[str, Any]]]) -> dict[str,
     }
 
 
+def processes(cpu: bool = False) -> list[tuple]:
+    """(pid, command line, CPU times or None) of every process on the machine that can still be read."""
+    import psutil
+
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            out.append((proc.pid, " ".join(proc.cmdline()), proc.cpu_times() if cpu else None))
+        except (psutil.Error, OSError):  # ended meanwhile, or not ours to read
+            continue
+    return out
+
+
 class CpuSampler:
     """CPU time of every process on the machine, sampled every `every_s` seconds in a thread, grouped by
     what the process is: `cores(t0, t1)` gives each group's cores in use between two moments.
@@ -436,19 +449,11 @@ class CpuSampler:
         return "rest"
 
     def _run(self) -> None:
-        import psutil
-
         while not self._stop.is_set():
-            snapshot = {}
-            for proc in psutil.process_iter():
-                try:
-                    cpu = proc.cpu_times()
-                    snapshot[proc.pid] = (
-                        self._group(proc.pid, " ".join(proc.cmdline())),
-                        cpu.user + cpu.system,
-                    )
-                except (psutil.Error, OSError):
-                    continue
+            snapshot = {
+                pid: (self._group(pid, cmdline), cpu.user + cpu.system)
+                for pid, cmdline, cpu in processes(cpu=True)
+            }
             self.snapshots.append((time.time(), snapshot))
             self._stop.wait(self.every_s)
 

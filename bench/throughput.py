@@ -20,8 +20,9 @@ until its next turn, and each side's steps/s counts its own turns only. On this 
 moves by 10-25% within seconds, so back-to-back pairs of whole runs scatter from 0.77 to 1.25 (2026-12-05);
 pairs taking turns every 0.25 s from 0.93 to 0.95 in one series and 0.92 to 0.99 in another. Ray's
 cluster processes (raylet, GCS, agents, log monitor, idle workers) run through both sides' turns, as they
-run beside both halves of a sequential pair. A report every `run.report_every_s` of wall time comes twice
-as often per second of the run's own time (it is stopped half the time), which counts against raylora.
+run beside both halves of a sequential pair. What the run does per second of wall time (a report every
+`run.report_every_s`, a controller poll every `controller_poll_s`) comes at twice those intervals, since the
+run has half of the wall time: per step of its own, it reports and is polled as often as a run alone.
 
 4. `in_worker`: where the difference sits, measured so that the machine's drift cancels. On this shared
    machine a whole run's speed moves by up to 2x from one minute to the next, more than the difference
@@ -106,15 +107,7 @@ def _run_processes(cmdlines: dict[int, str]) -> dict[int, str]:
 
 
 def _cmdlines() -> dict[int, str]:
-    import psutil
-
-    out = {}
-    for proc in psutil.process_iter():
-        try:
-            out[proc.pid] = " ".join(proc.cmdline())
-        except (psutil.Error, OSError):
-            continue
-    return out
+    return {pid: cmdline for pid, cmdline, _ in common.processes()}
 
 
 def active_rate(ticks: list[float], windows: list[tuple[float, float]]) -> tuple[float, int]:
@@ -129,6 +122,9 @@ def active_rate(ticks: list[float], windows: list[tuple[float, float]]) -> tuple
     return (inside[-1] - inside[0]) / active, inside[-1] - inside[0]
 
 
+TURN_SIDES = 2  # `alongside`: raylora and the plain loop, each running half of the wall time
+
+
 def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: float, first: str) -> dict:
     """One pair, drift cancelled: raylora's whole run (`make_trainer(...).fit()`: reports, the controller's
     polls, its final checkpoint) and the loop without Ray, both up at once, take turns on the machine
@@ -139,12 +135,25 @@ def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: f
 
     import torch.multiprocessing as mp
 
-    from raylora.driver import make_trainer, preflight
+    from raylora.driver import POLL_ENV, controller_poll_s, make_trainer, preflight
 
     # enough steps that the run outlasts the turns at up to 18 steps/s (about 11 here); the rest it runs
     # alone after the turns
     steps = warmup + int(18 * windows * window_s) + 60
-    c = cfg(f"alongside-{name}", f"train.max_steps={steps}", f"train.checkpoint_every={steps}")
+    # What a run does on a clock it does per second of wall time: a report every run.report_every_s
+    # (a number of steps worked out from the steps' wall times) and a controller poll every
+    # controller_poll_s. Taking turns, the run has half of the wall time, so it would report and be polled
+    # twice as often per step of its own as a run alone (as it was until 2026-12-06: 0.934, 0.951 and 0.898
+    # against 0.978, 0.996 and 0.981 with reports every 4 s, pairs in turn). Both intervals are doubled,
+    # so that per step the run reports and is polled as often as alone.
+    every_s = cfg(f"alongside-{name}").run.report_every_s
+    c = cfg(
+        f"alongside-{name}",
+        f"train.max_steps={steps}",
+        f"train.checkpoint_every={steps}",
+        f"run.report_every_s={TURN_SIDES * every_s:g}",
+    )
+    poll_s = TURN_SIDES * controller_poll_s(every_s)
     preflight(c)
     clock, ticks, go = (work / f"{k}-alongside-{name}" for k in ("clock", "ticks", "go"))
     for leftover in (clock, ticks, go, Path(f"{ticks}.ready")):
@@ -159,6 +168,7 @@ def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: f
             got["error"] = err
 
     thread = threading.Thread(target=fit, name="alongside-raylora")
+    os.environ[POLL_ENV] = f"{poll_s:g}"  # Trainer.fit leaves a poll interval that the environment holds
     thread.start()
     sides: dict[str, list[int]] = {"plain": [], "raylora": []}
     plain = None
@@ -220,6 +230,7 @@ def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: f
             proc.kill()
             proc.join()
         thread.join()
+        os.environ.pop(POLL_ENV, None)
     if "error" in got:
         raise RuntimeError(f"alongside: raylora's run failed: {got['error']!r}")
     assert got["result"].error is None, got["result"].error
@@ -238,6 +249,8 @@ def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: f
         "raylora_over_plain": ray_rate / plain_rate,
         "steps_counted": {"raylora": ray_steps, "plain": plain_steps},
         "seconds_of_turns": {side: sum(b - a for a, b in w) for side, w in turns.items()},
+        "raylora_report_every_s": c.run.report_every_s,
+        "raylora_controller_poll_s": poll_s,
     }
 
 
@@ -567,8 +580,8 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         together.append(alongside(work, cfg, f"w{width}-{rep}", warmup, windows, window_s, first))
     # The other variants after all the pairs, not between them: with an every-step run between the pairs,
     # the pairs came out lower (0.93-0.95 at the median against 0.98-0.99 without, 8 to 12 pairs each,
-    # 2026-12-05), for a cause not found in any process's CPU; the goal's pairs are raylora's default
-    # run and the plain loop with nothing else between them.
+    # 2026-12-05), for a cause not found in any process's CPU; the back-to-back pairs are raylora's
+    # default run and the plain loop with nothing else between them.
     for rep in range(reps):
         for variant in (v for v in variants if v != "raylora"):
             order.append([variant])
@@ -731,8 +744,10 @@ def main() -> None:
                 "alongside: each pair's raylora run and plain loop up at once, taking turns every "
                 "seconds_per_turn, the other side's processes stopped (SIGSTOP) outside its turns; "
                 "alongside_per_pair the ratio of each pair's steps/s over its own turns, alongside their "
-                "median (the goal's figure). sequential_median_of_pairs is the median of "
-                "raylora_over_plain_per_pair.",
+                "median (the goal's figure). The run reports and its controller polls at twice the "
+                "intervals of a run alone (raylora_report_every_s, raylora_controller_poll_s of each pair): "
+                "it has half of the wall time, so per step of its own it reports and is polled as often "
+                "as a run alone. sequential_median_of_pairs is the median of raylora_over_plain_per_pair.",
                 "in_worker: train_step in Ray Train workers against plain processes, both pairs up at once "
                 "and taking turns block by block (module docstring); ray_over_plain is the median of the "
                 "adjacent blocks' ratios. It leaves out what a run adds around train_step (reports, the "

@@ -440,6 +440,12 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
     bad_so_far = bad_rows_before(cfg.run.storage_path, cfg.run.name, s.step) if s.resumed else 0
     reporter = Reporter(cfg.run.report_every_s, s.engine.device, s.step)
     preempting: ray.train.PreemptionInfo | None = None
+    # On a Ray that raylora started itself, Ray Train's preemption watcher is off (driver.LOCAL_RAY_ENV):
+    # nothing there announces a drain, so the ask, a barrier through Ray's synchronization actor, is left
+    # out. The mark comes with the job's runtime env, so every rank decides alike.
+    from raylora.driver import started_here  # here: the driver imports this module
+
+    asks_preemption = not started_here()
     while s.step < cfg.train.max_steps:
         maybe_kill(cfg, s.step, s.rank)
         metrics = train_step(s)
@@ -464,7 +470,7 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
         # Asked at the steps that report anyway, not at every step: each ask is a barrier through Ray's
         # synchronization actor that costs about what a report does, and Ray's watcher itself looks for
         # drains only every few seconds. An announcement stands until the group is torn down.
-        if preempting is None and not done and reporter.due(s.step):
+        if asks_preemption and preempting is None and not done and reporter.due(s.step):
             preempting = ray.train.get_preemption_info()  # the same answer on every rank
             if preempting is not None and s.rank == 0:
                 log_preemption(preempting, s.step)

@@ -100,12 +100,19 @@ def test_bench_script_runs_tiny(script, smoke):
 def test_throughput_alongside_pairs_take_turns_on_whole_runs(smoke):
     """bench/throughput.py's goal figure: each pair a whole raylora run and the plain loop, up at once,
     taking turns; both sides stepped in their own turns, which add up to the turns asked for, and the
-    goal is the median of the pairs' ratios."""
+    goal is the median of the pairs' ratios. Having half of the wall time, the run reports and is polled
+    at twice a lone run's intervals, so per step of its own as often as alone."""
+    from raylora.config import RunConfig
+    from raylora.driver import controller_poll_s
+
     result = _result(smoke, "throughput")
     size = result["sizes"]["tiny"]
     along = size["figures"]["alongside"]
     assert len(along["pairs"]) == result["setup"]["repeats"]
+    alone = RunConfig().report_every_s
     for pair in along["pairs"]:
+        assert pair["raylora_report_every_s"] == 2 * alone, pair
+        assert pair["raylora_controller_poll_s"] == 2 * controller_poll_s(alone), pair
         for side in ("raylora", "plain"):
             assert pair["steps_counted"][side] >= 1, pair
             assert pair["seconds_of_turns"][side] == pytest.approx(

@@ -266,3 +266,21 @@ def test_a_ray_of_raylora_own_starts_no_helper_actors_it_does_not_use(straight):
     classes = {a["ActorClassName"] for a in ray._private.state.actors().values() if a["JobID"] == job}
     assert "RayTrainWorker" in classes and "TrainController" in classes, classes  # dead ones are listed too
     assert not {"PreemptionWatcher", "DatasetManager", "PlacementGroupCleaner"} & classes, classes
+
+
+def test_workers_of_raylora_own_ray_ask_for_no_preemption(ray_cluster, probes):
+    """A worker leaves out `ray.train.get_preemption_info` (a barrier at every report) where raylora
+    started Ray itself: the mark it goes by comes in the same runtime env as the preemption watcher's
+    off switch, so it never skips the ask where a watcher could announce a drain. (On a cluster that
+    raylora joins, tests/test_preemption.py sees the ask answered.)"""
+
+    def seen() -> tuple:
+        import os
+
+        from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
+
+        from raylora.driver import started_here
+
+        return started_here(), os.environ.get(ENABLE_PREEMPTION_WATCHER_ENV_VAR)
+
+    assert probes(seen) == (True, "0")

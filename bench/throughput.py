@@ -634,6 +634,9 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
 
 
 def main() -> None:
+    from raylora.config import RunConfig
+    from raylora.driver import controller_poll_s
+
     p = common.parser(__doc__)
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 100, --tiny 6)")
     p.add_argument(
@@ -719,9 +722,10 @@ def main() -> None:
             "notes": [
                 "raylora's steps/s comes from each step's wall_time (when the step ended on rank 0, carried "
                 "in its metrics row), so it includes the ray.train.report calls between the steps, the "
-                "controller's polling (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, 1 s at the default report "
-                "interval, raylora.driver.controller_poll_s) "
-                "and the metrics log; the plain loop's from time.time() after each train_step.",
+                "controller's polling (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S, "
+                f"{controller_poll_s(RunConfig().report_every_s):g} s at the default report interval, "
+                "raylora.driver.controller_poll_s) and the metrics log; the plain loop's from time.time() "
+                "after each train_step.",
                 "raylora reports every run.report_every_s (default) with the rows of the steps in between; "
                 "raylora_every_step is run.report_every_s=0, one report per step as before.",
                 "raylora_train_step_only_steps_per_s is the same Ray run timed inside train_step (its "

@@ -100,6 +100,25 @@ def test_failed_trial_is_retried_then_killed_driver_resumes_both_trials(
                 found[folder.name] = max(recorded_steps(*run_folder(str(tmp_path), folder.name)), default=0)
         return found
 
+    def alive_actors() -> dict[str, tuple[str, int]]:
+        import ray
+
+        return {
+            actor_id: (a["ActorClassName"], a.get("Pid") or 0)
+            for actor_id, a in ray._private.state.actors().items()
+            if a["State"] == "ALIVE"
+        }
+
+    def sweep_actors() -> dict[str, tuple[str, int]]:
+        """The sweep's Train workers and controllers still alive (Ray Data's detached helpers rightly
+        outlive the driver)."""
+        return {
+            k: v
+            for k, v in alive_actors().items()
+            if k not in before and v[0] in ("RayTrainWorker", "TrainController")
+        }
+
+    before = set(alive_actors())
     root = Path(__file__).resolve().parent.parent
     log = open(tmp_path / "driver.log", "w")
     driver = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -111,8 +130,22 @@ def test_failed_trial_is_retried_then_killed_driver_resumes_both_trials(
             break
         assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
         time.sleep(0.5)
+    # The driver dies with its machine: its Train workers with it. Ray tears down the actors a dead driver
+    # owned only seconds later, and a worker left running meanwhile goes on recording checkpoints (CI saw a
+    # trial record steps 5 and 6 after the kill), so the resume's starting point is read once every actor
+    # of the sweep is gone.
     driver.send_signal(signal.SIGKILL)
+    for name, pid in sweep_actors().values():
+        if name == "RayTrainWorker" and pid:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     driver.wait()
+    gone_by = time.time() + 120
+    while sweep_actors():
+        assert time.time() < gone_by, sweep_actors()
+        time.sleep(0.5)
     interrupted = recorded_by_run()
     assert len(interrupted) == 2 and min(interrupted.values()) >= 4, interrupted
     # The trials run side by side, but their retries start when Tune gets to them: where one retry started

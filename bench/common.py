@@ -396,6 +396,13 @@ class CpuSampler:
     `runtime_env_agent`, `log_monitor`, `autoscaler_monitor`, `idle_workers` (prestarted, not leased),
     `other_ray` (helper actors such as Ray Train's placement-group cleaner)), `benchmark_driver` (this
     process) and `rest`.
+
+    `worker_threads(t0, t1)` splits the workers' cores by thread (THREAD_KINDS): `training` (each
+    process's busiest thread other than gloo's: the plain process's main thread, the Ray Train worker's
+    training thread), `ray_main` (a Ray worker's main thread: Ray's task loop, which runs the controller's
+    polls and, every 10 ms, takes the GIL to check for signals), `gloo` (gloo's transport threads) and
+    `other_threads` (Ray's core-worker threads, gRPC's, idle Python helpers). The kernel counts CPU per
+    thread, so this is where a Ray worker's CPU goes that a plain process does not spend.
     """
 
     GROUPS = (
@@ -427,8 +434,11 @@ class CpuSampler:
         ("idle_workers", "ray::IDLE"),
     )
 
+    THREAD_KINDS = ("training", "ray_main", "gloo", "other_threads")
+
     def __init__(self, every_s: float = 0.5):
         self.every_s, self.snapshots = every_s, []
+        self.thread_snapshots: list[tuple[float, dict]] = []  # taken with `snapshots`, workers only
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -448,14 +458,48 @@ class CpuSampler:
             return "other_ray"
         return "rest"
 
+    @staticmethod
+    def _threads(pid: int) -> dict[int, tuple[str, float]]:
+        """{thread id: (name, CPU seconds)} of one process; {} once it has ended."""
+        import psutil
+
+        out = {}
+        try:
+            for t in psutil.Process(pid).threads():
+                try:
+                    name = Path(f"/proc/{pid}/task/{t.id}/comm").read_text().strip()
+                except OSError:  # the thread ended meanwhile
+                    continue
+                out[t.id] = (name, t.user_time + t.system_time)
+        except (psutil.Error, OSError):
+            return {}
+        return out
+
     def _run(self) -> None:
         while not self._stop.is_set():
             snapshot = {
-                pid: (self._group(pid, cmdline), cpu.user + cpu.system)
+                pid: (self._group(pid, cmdline), cpu.user + cpu.system, "RayTrainWorker" in cmdline)
                 for pid, cmdline, cpu in processes(cpu=True)
             }
-            self.snapshots.append((time.time(), snapshot))
+            now = time.time()
+            # idle workers too: Ray starts a run's workers in processes it had started idle
+            threads = {
+                pid: self._threads(pid) for pid, v in snapshot.items() if v[0] in ("workers", "idle_workers")
+            }
+            self.snapshots.append((now, snapshot))
+            self.thread_snapshots.append((now, threads))
             self._stop.wait(self.every_s)
+
+    def _window(self, snapshots: list, t0: float, t1: float) -> tuple:
+        """The first and the last snapshot inside [t0, t1] (see `cores`)."""
+        inside = [s for s in snapshots if t0 <= s[0] <= t1]
+        if len(inside) < 2:
+            before = [s for s in snapshots if s[0] < t0] or snapshots[:1]
+            after = [s for s in snapshots if s[0] > t1] or snapshots[-1:]
+            inside = [before[-1], after[0]]
+        (a_t, a), (b_t, b) = inside[0], inside[-1]
+        assert b_t > a_t, "the sampler saw the window only once"
+        return a_t, a, b_t, b
 
     def cores(self, t0: float, t1: float) -> dict[str, float]:
         """Stop sampling; each group's CPU seconds per second between the first and the last snapshot
@@ -463,17 +507,52 @@ class CpuSampler:
         smoke test's) takes the snapshots around it instead, where a process may start or end between."""
         self._stop.set()
         self._thread.join()
-        inside = [s for s in self.snapshots if t0 <= s[0] <= t1]
-        if len(inside) < 2:
-            before = [s for s in self.snapshots if s[0] < t0] or self.snapshots[:1]
-            after = [s for s in self.snapshots if s[0] > t1] or self.snapshots[-1:]
-            inside = [before[-1], after[0]]
-        (a_t, a), (b_t, b) = inside[0], inside[-1]
-        assert b_t > a_t, "the sampler saw the window only once"
+        a_t, a, b_t, b = self._window(self.snapshots, t0, t1)
         out = dict.fromkeys(self.GROUPS, 0.0)
-        for pid, (group, cpu) in b.items():
+        for pid, (group, cpu, _) in b.items():
             if pid in a:
                 out[group] += (cpu - a[pid][1]) / (b_t - a_t)
+        return out
+
+    def worker_threads(self, t0: float, t1: float) -> dict[str, float]:
+        """Cores of the workers' threads by kind (THREAD_KINDS) between two moments, summed over the
+        processes that `cores` counts as workers; call after `cores`, which stops the sampling.
+
+        `ray_main`, `gloo` and `other_threads` are threads that live as long as their process. `training`
+        is the rest of the process's CPU: its training thread, which in a short window can start after
+        the first snapshot and end before the last (Ray Train's, around a `--tiny` run), and any thread
+        that came and went between two snapshots."""
+        a_t, a, b_t, b = self._window(self.snapshots, t0, t1)
+        # Each thread's CPU at the last snapshot of the window that saw it, from 0 if it started inside.
+        last: dict[int, dict[int, tuple[str, float]]] = {}
+        for t, snap in self.thread_snapshots:
+            if a_t <= t <= b_t:
+                for pid, threads in snap.items():
+                    last.setdefault(pid, {}).update(threads)
+        first = dict(next(snap for t, snap in self.thread_snapshots if t == a_t))
+        out = dict.fromkeys(self.THREAD_KINDS, 0.0)
+        for pid, (group, cpu, ray_worker) in b.items():
+            if group != "workers" or pid not in a:
+                continue
+            total = (cpu - a[pid][1]) / (b_t - a_t)
+            used = {
+                tid: (name, (c - first.get(pid, {}).get(tid, (name, 0.0))[1]) / (b_t - a_t))
+                for tid, (name, c) in last.get(pid, {}).items()
+            }
+            kinds: dict[int, str] = {}
+            for tid, (name, _) in used.items():
+                # gloo's threads are named by gloo (gloo_tcp_loop) and torch's wrapper (pt_gloo_runloop)
+                if name.startswith(("gloo", "pt_gloo")):
+                    kinds[tid] = "gloo"
+                elif tid == pid and ray_worker:
+                    kinds[tid] = "ray_main"
+            rest = {tid: c for tid, (_, c) in used.items() if tid not in kinds}
+            if rest:  # the busiest of the rest is the training thread, counted below with the remainder
+                del rest[max(rest, key=rest.get)]
+            kinds.update(dict.fromkeys(rest, "other_threads"))
+            for tid, kind in kinds.items():
+                out[kind] += used[tid][1]
+            out["training"] += total - sum(used[tid][1] for tid in kinds)
         return out
 
 

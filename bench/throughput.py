@@ -524,10 +524,13 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
     load: dict[str, list[float]] = {k: [] for k in samples}
     # cores each group of processes used over the timed steps: raylora's run and the loop without Ray
     cores: dict[str, dict[str, list[float]]] = {"raylora": {}, "plain": {}}
+    threads: dict[str, dict[str, list[float]]] = {"raylora": {}, "plain": {}}  # the workers' cores, by thread
 
     def add_cores(label: str, sampler: common.CpuSampler, times: list[float]) -> None:
         for group, value in sampler.cores(times[warmup - 1], times[-2]).items():
             cores[label].setdefault(group, []).append(value)
+        for kind, value in sampler.worker_threads(times[warmup - 1], times[-2]).items():
+            threads[label].setdefault(kind, []).append(value)
 
     def ray_run(variant: str, name: str) -> None:
         c = cfg(f"throughput-{variant}-{name}", *variants[variant])
@@ -603,6 +606,9 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         "cores_while_training": {
             label: {group: common.summary(v) for group, v in groups.items()}
             for label, groups in cores.items()
+        },
+        "worker_threads_while_training": {
+            label: {kind: common.summary(v) for kind, v in kinds.items()} for label, kinds in threads.items()
         },
         "plain_seconds_per_step": 1 / med["plain"],
         "ray_seconds_added_per_step": 1 / med["raylora"] - 1 / med["plain"],
@@ -744,7 +750,11 @@ def main() -> None:
                 "median over the plain runs' median, not paired.",
                 "The Ray here is raylora's own local one (init_ray: no preemption watcher, no metrics "
                 "export); the plain loop runs beside the same, idle, Ray. cores_while_training splits "
-                "Ray's processes by kind; a group's cores divided by the steps/s is its CPU per step.",
+                "Ray's processes by kind; a group's cores divided by the steps/s is its CPU per step. "
+                "worker_threads_while_training splits the workers' cores by thread (bench/common.py "
+                "CpuSampler.worker_threads): training, ray_main (a Ray worker's main thread: the task "
+                "loop that answers the controller's polls and takes the GIL every 10 ms to check for "
+                "signals), gloo, other_threads (Ray's and gRPC's threads, idle Python helpers).",
                 "alongside: each pair's raylora run and plain loop up at once, taking turns every "
                 "seconds_per_turn, the other side's processes stopped (SIGSTOP) outside its turns; "
                 "alongside_per_pair the ratio of each pair's steps/s over its own turns, alongside their "

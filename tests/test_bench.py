@@ -128,6 +128,23 @@ def test_throughput_alongside_pairs_take_turns_on_whole_runs(smoke):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_throughput_splits_the_workers_cores_by_thread(smoke):
+    """bench/throughput.py's per-thread split of the workers' CPU (where a Ray worker spends what a plain
+    process does not): on both sides gloo's threads are found by name and the training thread has the
+    most of the workers' cores; the kinds add up to the workers' cores."""
+    figures = _result(smoke, "throughput")["sizes"]["tiny"]["figures"]
+    for side in ("raylora", "plain"):
+        kinds = {k: v["samples"] for k, v in figures["worker_threads_while_training"][side].items()}
+        assert set(kinds) == {"training", "ray_main", "gloo", "other_threads"}, side
+        workers = figures["cores_while_training"][side]["workers"]["samples"]
+        for run, total in enumerate(workers):
+            by_thread = {k: v[run] for k, v in kinds.items()}
+            assert by_thread["gloo"] > 0 and by_thread["training"] > 0.5 * total, (side, by_thread, total)
+            assert sum(by_thread.values()) == pytest.approx(total), (side, by_thread)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_throughput_where_takes_turns_in_each_comparison(smoke):
     """bench/throughput.py --where: Ray Train workers, plain Ray actor processes and plain processes, two
     at a time, each pair taking turns block by block; every block timed on both sides."""

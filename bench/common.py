@@ -397,12 +397,12 @@ class CpuSampler:
     `other_ray` (helper actors such as Ray Train's placement-group cleaner)), `benchmark_driver` (this
     process) and `rest`.
 
-    `worker_threads(t0, t1)` splits the workers' cores by thread (THREAD_KINDS): `training` (each
-    process's busiest thread other than gloo's: the plain process's main thread, the Ray Train worker's
-    training thread), `ray_main` (a Ray worker's main thread: Ray's task loop, which runs the controller's
-    polls and, every 10 ms, takes the GIL to check for signals), `gloo` (gloo's transport threads) and
-    `other_threads` (Ray's core-worker threads, gRPC's, idle Python helpers). The kernel counts CPU per
-    thread, so this is where a Ray worker's CPU goes that a plain process does not spend.
+    `worker_threads(t0, t1)` splits the workers' cores by thread (THREAD_KINDS): `training` (the plain
+    process's main thread, the Ray Train worker's training thread: what the other kinds leave),
+    `ray_main` (a Ray worker's main thread: Ray's task loop, which runs the controller's polls and, every
+    10 ms, takes the GIL to check for signals), `gloo` (gloo's transport threads) and `other_threads`
+    (Ray's core-worker threads, gRPC's, idle Python helpers). The kernel counts CPU per thread, so this is
+    where a Ray worker's CPU goes that a plain process does not spend.
     """
 
     GROUPS = (
@@ -438,7 +438,7 @@ class CpuSampler:
 
     def __init__(self, every_s: float = 0.5):
         self.every_s, self.snapshots = every_s, []
-        self.thread_snapshots: list[tuple[float, dict]] = []  # taken with `snapshots`, workers only
+        self.thread_snapshots: list[tuple[float, dict]] = []  # with `snapshots`: workers' and idle workers'
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()

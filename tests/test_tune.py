@@ -100,25 +100,21 @@ def test_failed_trial_is_retried_then_killed_driver_resumes_both_trials(
                 found[folder.name] = max(recorded_steps(*run_folder(str(tmp_path), folder.name)), default=0)
         return found
 
-    def alive_actors() -> dict[str, tuple[str, int]]:
+    def train_actors() -> dict[str, tuple[str, int]]:
+        """{actor id: (class, pid)} of the Ray Train workers and controllers alive on the test's Ray (not
+        Ray Data's detached helpers, which rightly outlive a driver)."""
         import ray
 
         return {
             actor_id: (a["ActorClassName"], a.get("Pid") or 0)
             for actor_id, a in ray._private.state.actors().items()
-            if a["State"] == "ALIVE"
+            if a["State"] == "ALIVE" and a["ActorClassName"] in ("RayTrainWorker", "TrainController")
         }
 
     def sweep_actors() -> dict[str, tuple[str, int]]:
-        """The sweep's Train workers and controllers still alive (Ray Data's detached helpers rightly
-        outlive the driver)."""
-        return {
-            k: v
-            for k, v in alive_actors().items()
-            if k not in before and v[0] in ("RayTrainWorker", "TrainController")
-        }
+        return {k: v for k, v in train_actors().items() if k not in before}
 
-    before = set(alive_actors())
+    before = set(train_actors())
     root = Path(__file__).resolve().parent.parent
     log = open(tmp_path / "driver.log", "w")
     driver = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)

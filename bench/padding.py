@@ -382,7 +382,8 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
         groups = [list(modes)] if args.tiny else [[mode] for mode in modes]
         for group in groups:
             configs, files = [cfgs[m] for m in group], [outs[m] for m in group]
-            mp.spawn(step_worker, args=(2, common.free_port(), configs, steps, files), nprocs=2)
+            with common.raylora_worker_env():  # raylora's side, as its Train workers start
+                mp.spawn(step_worker, args=(2, common.free_port(), configs, steps, files), nprocs=2)
         for mode in modes:
             got = json.loads(Path(outs[mode]).read_text())
             timed = got["steps"][warmup:]
@@ -509,12 +510,15 @@ def turns(args, kind: str, warmup: int, blocks: int, n: int, budget: bool = Fals
     )
     turn, out = work / f"{kind}-turn", work / f"{kind}-raylora-blocks.json"
     common.Turns.start(turn, TURN_SIDES)
-    raylora_side = mp.spawn(
-        _turn_steps,
-        args=(2, common.free_port(), cfg, warmup, blocks, n, str(turn), str(out)),
-        nprocs=2,
-        join=False,
-    )
+    with (
+        common.raylora_worker_env()
+    ):  # raylora's side, as its Train workers start; the Trainer's as users get it
+        raylora_side = mp.spawn(
+            _turn_steps,
+            args=(2, common.free_port(), cfg, warmup, blocks, n, str(turn), str(out)),
+            nprocs=2,
+            join=False,
+        )
     try:
         hf = hf_trainer_run(
             model, data, work / "hf", arch, steps, warmup, True, max_pixels, counted,

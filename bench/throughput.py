@@ -182,20 +182,21 @@ def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: f
 
     turns: dict[str, list[tuple[float, float]]] = {"raylora": [], "plain": []}
     try:
-        plain = mp.start_processes(
-            plain_worker_alongside,
-            args=(
-                2,
-                common.free_port(),
-                cfg(f"alongside-plain-{name}", f"train.max_steps={10 * steps}"),
-                warmup,
-                str(ticks),
-                str(go),
-            ),
-            nprocs=2,
-            join=False,
-            start_method="spawn",
-        )
+        with common.raylora_worker_env():  # as raylora's Train workers start: Ray is the difference
+            plain = mp.start_processes(
+                plain_worker_alongside,
+                args=(
+                    2,
+                    common.free_port(),
+                    cfg(f"alongside-plain-{name}", f"train.max_steps={10 * steps}"),
+                    warmup,
+                    str(ticks),
+                    str(go),
+                ),
+                nprocs=2,
+                join=False,
+                start_method="spawn",
+            )
         sides["plain"] = [p.pid for p in plain.processes]
         deadline = time.monotonic() + 900
         while not (
@@ -363,9 +364,14 @@ def where(work: Path, cfg, blocks: int, n: int) -> dict:
     import ray
     import torch.multiprocessing as mp
 
+    from raylora.driver import worker_env
+
     work.mkdir(parents=True, exist_ok=True)
     # max_calls=1: a fresh process for each call, as the plain processes and Ray Train's workers are
-    remote = ray.remote(num_cpus=1, max_retries=0, max_calls=1)(_actor_turns)
+    # raylora's worker env, as raylora's Train workers and the plain processes start with it
+    remote = ray.remote(num_cpus=1, max_retries=0, max_calls=1, runtime_env={"env_vars": worker_env()})(
+        _actor_turns
+    )
 
     def actors(turn: str, sides: tuple) -> list:
         """The two plain Ray actor processes' side, started; their refs."""
@@ -378,9 +384,10 @@ def where(work: Path, cfg, blocks: int, n: int) -> dict:
     turn = str(work / "turn-actor-plain")
     refs = actors(turn, sides)
     plain_out = work / "turns-plain-beside-actor.json"
-    mp.spawn(
-        _plain_turns, args=(2, common.free_port(), cfg, blocks, n, turn, str(plain_out), sides), nprocs=2
-    )
+    with common.raylora_worker_env():
+        mp.spawn(
+            _plain_turns, args=(2, common.free_port(), cfg, blocks, n, turn, str(plain_out), sides), nprocs=2
+        )
     out["actor_over_plain"] = _ratios(ray.get(refs)[0], json.loads(plain_out.read_text()), n)
 
     sides = ("train", "actor")
@@ -419,7 +426,8 @@ def in_worker(work: Path, cfg, blocks: int, n: int) -> dict:
     thread = threading.Thread(target=ray_side, name="in-worker-ray-side")
     thread.start()
     try:
-        mp.spawn(_plain_turns, args=(2, common.free_port(), cfg, blocks, n, turn, str(out)), nprocs=2)
+        with common.raylora_worker_env():
+            mp.spawn(_plain_turns, args=(2, common.free_port(), cfg, blocks, n, turn, str(out)), nprocs=2)
     finally:
         thread.join()
     if "error" in got:
@@ -555,7 +563,10 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         out = work / f"plain-{name}.json"
         load["plain"].append(os.getloadavg()[0])
         sampler = common.CpuSampler()
-        mp.spawn(plain_worker, args=(2, common.free_port(), cfg(f"plain-{name}"), steps, str(out)), nprocs=2)
+        with common.raylora_worker_env():  # as raylora's Train workers start: Ray is the difference
+            mp.spawn(
+                plain_worker, args=(2, common.free_port(), cfg(f"plain-{name}"), steps, str(out)), nprocs=2
+            )
         times = json.loads(out.read_text())["times"]
         samples["plain"].append(rate(times, warmup))
         add_cores("plain", sampler, times)

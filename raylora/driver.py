@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import logging
 import os
@@ -261,6 +262,26 @@ def metric_callbacks(cfg: Config) -> list:
 # instead of step 4's and a stopped job in tests/test_jobs.py redid two checkpoint intervals instead of one.
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
+# torch's CPU allocator keeps no cache: a tensor of 2 MB or more is a fresh mmap that the kernel fills at
+# first touch, one 4 KiB page fault per page, and gives back when the tensor is freed. A step on CPU
+# allocates its activations and gradients anew each time, so a rank took 65,000-130,000 minor page faults
+# per 16 steps of bench/padding.py's tiny models (the HF Trainer's processes 2,000-27,000, its passes
+# smaller), and kernel time with them. torch's own switch THP_MEM_ALLOC_ENABLE=1 aligns such allocations to
+# 2 MB and asks the kernel for transparent huge pages (madvise, which the kernels' default "madvise" mode
+# honours): one fault per 2 MB. torch reads it once, at the process's first CPU allocation, so it can only
+# be set in the environment the worker process starts with: Ray's worker runtime env (`Trainer`). It was
+# worth about 1.05x-1.10x useful tokens per second at bench/padding.py's steps (peak memory per rank
+# unchanged); on a GPU the big tensors are on the device and it changes little. A value that the driver's
+# environment holds is passed on instead (`worker_env`).
+WORKER_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
+
+
+def worker_env() -> dict[str, str]:
+    """The environment variables raylora sets for its Train workers: `WORKER_ENV`, where the driver's
+    environment holds one of them, with the driver's value (the workers of a cluster inherit their
+    raylet's environment, not the driver's)."""
+    return {key: os.environ.get(key, value) for key, value in WORKER_ENV.items()}
+
 
 def controller_poll_s(report_every_s: float) -> float:
     """Seconds between the controller's polls of a run that reports every `report_every_s`."""
@@ -269,7 +290,8 @@ def controller_poll_s(report_every_s: float) -> float:
 
 class Trainer(TorchTrainer):
     """Ray Train's TorchTrainer less the helper actors that serve nothing in a raylora run, its
-    controller polling every `poll_s` seconds (`fit`).
+    controller polling every `poll_s` seconds (`fit`), its workers started with `worker_env()` (beside
+    any env_vars of the run config's worker_runtime_env, which win).
 
     Ray Train 2.60 starts, beside the controller and the workers, a DatasetManager at every worker-group
     start (for Ray Datasets handed to the trainer: raylora reads its own rows and hands none) and, per
@@ -284,8 +306,12 @@ class Trainer(TorchTrainer):
     Ray pinned to 2.60; tests/test_config.py and tests/test_faults.py fail if an upgrade moves them).
     """
 
-    def __init__(self, *args, poll_s: float = 0.1, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, poll_s: float = 0.1, run_config: ray.train.RunConfig | None = None, **kwargs):
+        run_config = copy.copy(run_config or ray.train.RunConfig())
+        runtime_env = dict(run_config.worker_runtime_env or {})
+        runtime_env["env_vars"] = {**worker_env(), **runtime_env.get("env_vars", {})}
+        run_config.worker_runtime_env = runtime_env
+        super().__init__(*args, run_config=run_config, **kwargs)
         self.poll_s = poll_s
 
     def fit(self) -> ray.train.Result:

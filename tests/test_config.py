@@ -182,6 +182,41 @@ def test_a_runs_controller_polls_faster_than_it_reports(tmp_path, monkeypatch):
         assert poll <= every / 2 or poll == 0.1, (every, poll)
 
 
+def test_workers_start_with_raylora_env_unless_the_driver_or_run_config_says_otherwise(tmp_path, monkeypatch):
+    """A run's workers get `WORKER_ENV` through Ray's worker runtime env; a value in the driver's
+    environment, or in the run config's own worker_runtime_env, is the one they get instead."""
+    import ray.train
+
+    from raylora.driver import WORKER_ENV, Trainer, make_trainer
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    cfg = config.load(None, ["model.path=model", "data.train=t.parquet"])
+    for key in WORKER_ENV:
+        monkeypatch.delenv(key, raising=False)
+    assert make_trainer(cfg).run_config.worker_runtime_env["env_vars"] == {"THP_MEM_ALLOC_ENABLE": "1"}
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert make_trainer(cfg).run_config.worker_runtime_env["env_vars"] == {"THP_MEM_ALLOC_ENABLE": "0"}
+    mine = ray.train.RunConfig(worker_runtime_env={"env_vars": {"THP_MEM_ALLOC_ENABLE": "2", "A": "b"}})
+    trainer = Trainer(lambda: None, run_config=mine)
+    assert trainer.run_config.worker_runtime_env["env_vars"] == {"THP_MEM_ALLOC_ENABLE": "2", "A": "b"}
+    assert mine.worker_runtime_env == {"env_vars": {"THP_MEM_ALLOC_ENABLE": "2", "A": "b"}}  # not changed
+
+
+def _worker_env_and_big_tensor() -> tuple:
+    """In a Train worker: the poll it was handed, its THP_MEM_ALLOC_ENABLE, and the offset of a fresh
+    64 MB CPU tensor within its 4 KiB page: 0 where torch took its transparent-huge-page path (a
+    page-aligned mmap, madvised), 64 (its default alignment, after glibc's chunk header) where not."""
+    import os
+
+    import torch
+
+    from raylora.driver import POLL_ENV
+
+    big = torch.ones(64 << 20, dtype=torch.uint8)
+    return os.environ.get(POLL_ENV), os.environ.get("THP_MEM_ALLOC_ENABLE"), big.data_ptr() % 4096
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_the_controller_and_workers_get_the_trainers_poll_and_the_env_is_restored(
@@ -189,7 +224,8 @@ def test_the_controller_and_workers_get_the_trainers_poll_and_the_env_is_restore
 ):
     """Ray Train's controller reads its poll from the driver's environment as `fit` starts it, and hands
     it on to the workers: a run's `Trainer` sets it for its fit and removes it after; one that the
-    environment already holds (the probe group's 1 s here, or a user's) is left as it is."""
+    environment already holds (the probe group's 1 s here, or a user's) is left as it is. The worker
+    process starts with `WORKER_ENV`, which its torch honours."""
     import os
 
     from raylora.driver import POLL_ENV
@@ -198,8 +234,10 @@ def test_the_controller_and_workers_get_the_trainers_poll_and_the_env_is_restore
     monkeypatch.delenv(POLL_ENV, raising=False)
     assert probes(lambda: os.environ.get(POLL_ENV)) == "1"
     assert POLL_ENV not in os.environ
-    seen = on_workers(lambda: os.environ.get(POLL_ENV), tmp_path, "poll", num_workers=1, poll_s=0.25)
-    assert seen == "0.25"
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    seen = on_workers(_worker_env_and_big_tensor, tmp_path, "poll", num_workers=1, poll_s=0.25)
+    # the worker's torch allocates big CPU tensors on transparent huge pages (raylora.driver.WORKER_ENV)
+    assert seen == ("0.25", "1", 0)
     assert POLL_ENV not in os.environ
 
 

@@ -610,25 +610,16 @@ def peak_rss_bytes() -> int:
 PLAIN_THREADS = 1  # Ray sets OMP_NUM_THREADS=1 for a worker that holds 1 CPU; the plain processes match it
 
 
-@contextmanager
 def raylora_worker_env():
     """Within it, this process's environment holds what raylora's Train workers start with
     (`raylora.driver.worker_env`), and so do processes spawned in it: the plain processes that stand in
     for raylora's workers. torch reads THP_MEM_ALLOC_ENABLE at a process's first CPU allocation, so it
     cannot be set from inside a spawned rank."""
+    from unittest import mock
+
     from raylora.driver import worker_env
 
-    env = worker_env()
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return mock.patch.dict(os.environ, worker_env())
 
 
 def plain_process_group(rank: int, world: int, port: int) -> None:

@@ -510,9 +510,8 @@ def turns(args, kind: str, warmup: int, blocks: int, n: int, budget: bool = Fals
     )
     turn, out = work / f"{kind}-turn", work / f"{kind}-raylora-blocks.json"
     common.Turns.start(turn, TURN_SIDES)
-    with (
-        common.raylora_worker_env()
-    ):  # raylora's side, as its Train workers start; the Trainer's as users get it
+    # raylora's side, as its Train workers start; the Trainer's as users get it
+    with common.raylora_worker_env():
         raylora_side = mp.spawn(
             _turn_steps,
             args=(2, common.free_port(), cfg, warmup, blocks, n, str(turn), str(out)),

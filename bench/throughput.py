@@ -31,8 +31,8 @@ run has half of the wall time: per step of its own, it reports and is polled as 
    calls, one side's block, then the other's, while the side whose turn it is not waits (rank 0 polls a
    file every 20 ms, the other ranks wait in a gloo barrier). Each pair of adjacent blocks gives a ratio.
    Without reports, checkpoints or the controller's work for a run, it isolates what running inside a
-   Ray Train worker process costs `train_step` itself; with each block, the training thread's and the
-   whole process's context switches (/proc).
+   Ray Train worker process costs `train_step` itself; with each block, the training thread's CPU time
+   and its and the whole process's context switches (/proc).
 5. `--where`: the same taking turns between a plain Ray actor process (no Ray Train) and plain processes,
    then between Ray Train workers and plain Ray actor processes (`where`): how much of the `in_worker`
    difference any Ray worker process has, and how much Ray Train adds.
@@ -277,8 +277,8 @@ SIDES = ("ray", "plain")
 def take_turns(side: str, turn: str, cfg, blocks: int, n: int, sides: tuple = SIDES) -> list[dict]:
     """One side of `in_worker` (module docstring), on every rank: setup and 3 warm-up steps, then
     `blocks` blocks of `n` train_steps taking turns with the other of `sides` (`common.Turns`). Returns
-    (rank 0's) each block's seconds and context switches: the training thread's (voluntary, involuntary)
-    and all threads' of the process."""
+    (rank 0's) each block's seconds, the training thread's CPU seconds (`time.thread_time`) and context
+    switches: the training thread's (voluntary, involuntary) and all threads' of the process."""
     from raylora import worker
 
     turns = common.Turns(turn, sides, side)
@@ -290,16 +290,17 @@ def take_turns(side: str, turn: str, cfg, blocks: int, n: int, sides: tuple = SI
     for block in range(blocks):
         turns.wait(block)
         thread, process = _switches("/proc/thread-self/status"), _process_switches()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         for _ in range(n):
             worker.train_step(s)
 
-        def record(start=start, thread=thread, process=process) -> None:
-            seconds = time.perf_counter() - start
+        def record(start=start, cpu=cpu, thread=thread, process=process) -> None:
+            seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
             after = _switches("/proc/thread-self/status")
             rows.append(
                 {
                     "seconds": seconds,
+                    "thread_cpu_seconds": cpu,
                     "thread_switches": [a - b for a, b in zip(after, thread, strict=True)],
                     "process_switches": _process_switches() - process,
                 }
@@ -446,6 +447,21 @@ def in_worker(work: Path, cfg, blocks: int, n: int) -> dict:
         "plain_process_steps_per_s": common.summary(rates["plain"]),
         "ray_over_plain_per_block": per_block,
         "ray_over_plain": common.median(per_block),
+        # the same steps' CPU in the training thread: more in the Ray worker means it gets less done per
+        # CPU second, not that it waits more (README: "Where the workers' lower speed per CPU second goes")
+        "training_thread_cpu_ms_per_step_rank0": {
+            side: common.summary([1000 * r["thread_cpu_seconds"] / n for r in rows[side]]) for side in SIDES
+        },
+        "training_thread_cpu_ray_over_plain_per_block": [
+            r["thread_cpu_seconds"] / p["thread_cpu_seconds"]
+            for r, p in zip(rows["ray"], rows["plain"], strict=True)
+        ],
+        "training_thread_cpu_ray_over_plain": common.median(
+            [
+                r["thread_cpu_seconds"] / p["thread_cpu_seconds"]
+                for r, p in zip(rows["ray"], rows["plain"], strict=True)
+            ]
+        ),
         "context_switches_per_step_rank0": {
             side: {
                 "training_thread_voluntary": per_step(side, lambda r: r["thread_switches"][0]),

@@ -156,6 +156,15 @@ def test_throughput_where_takes_turns_in_each_comparison(smoke):
     assert in_worker["ray_over_plain"] == pytest.approx(
         statistics.median(in_worker["ray_over_plain_per_block"])
     )
+    # the training thread's own CPU per step: some, and never more than the step's wall time (a whole
+    # process's CPU, gloo's threads included, could be)
+    for side, key in (("ray", "ray_worker_steps_per_s"), ("plain", "plain_process_steps_per_s")):
+        cpu = in_worker["training_thread_cpu_ms_per_step_rank0"][side]["samples"]
+        wall = [1000 / rate for rate in in_worker[key]["samples"]]
+        assert len(cpu) == blocks and all(0 < c <= w * 1.001 for c, w in zip(cpu, wall, strict=True)), side
+    assert in_worker["training_thread_cpu_ray_over_plain"] == pytest.approx(
+        statistics.median(in_worker["training_thread_cpu_ray_over_plain_per_block"])
+    )
     for name in ("actor_over_plain", "train_over_actor"):
         pair = figures[name]
         assert len(pair["per_block"]) == blocks and all(r > 0 for r in pair["per_block"]), name

@@ -186,7 +186,9 @@ def _worker(rank: int, port: int, job: dict) -> None:
 
     class TakeTurns(transformers.TrainerCallback):
         """With job["turns"] (`common.Turns`): after `warmup` steps, blocks of `n` steps taking turns
-        with the other side; each block's seconds and useful tokens (all ranks)."""
+        with the other side; each block's seconds, useful tokens (all ranks) and the rank's main-thread
+        CPU seconds (`time.thread_time`: the Trainer's steps, data loading included, run in that
+        thread)."""
 
         def __init__(self, path: str, sides: list[str], warmup: int, n: int) -> None:
             self.turns = common.Turns(path, tuple(sides), "hf_trainer")
@@ -200,13 +202,15 @@ def _worker(rank: int, port: int, job: dict) -> None:
                 block = done // self.n - 1
                 self.turns.done(block, lambda: self.blocks.append(
                     {"seconds": time.perf_counter() - self.start,
-                     "tokens": state.num_input_tokens_seen - self.tokens}
+                     "tokens": state.num_input_tokens_seen - self.tokens,
+                     "cpu_seconds": time.thread_time() - self.cpu}
                 ))  # fmt: skip
             else:
                 self.turns.ready()
             if state.global_step < state.max_steps:
                 self.turns.wait(done // self.n)
                 self.start, self.tokens = time.perf_counter(), state.num_input_tokens_seen
+                self.cpu = time.thread_time()
 
     clock_cb = StepClock()
     callbacks = [clock_cb]
@@ -293,5 +297,15 @@ def hf_trainer_run(
         "skipped_too_long": sum(n > MAX_LENGTH for n in lengths),
         "left_out_without_image": sum(n <= MAX_LENGTH and images == 0 for n, images in counted),
         "steps": rows,
-        **({"blocks": ranks[0]["blocks"]} if turns else {}),
+        # rank 0's blocks, each with every rank's CPU seconds
+        **(
+            {
+                "blocks": [
+                    {**block, "cpu_seconds": [r["blocks"][k]["cpu_seconds"] for r in ranks]}
+                    for k, block in enumerate(ranks[0]["blocks"])
+                ]
+            }
+            if turns
+            else {}
+        ),  # fmt: skip
     }

@@ -307,6 +307,7 @@ def take_turns(side: str, turn: str, cfg, blocks: int, n: int, sides: tuple = SI
             )
 
         turns.done(block, record)
+    turns.finish(blocks)
     return rows
 
 

@@ -37,7 +37,7 @@ def smoke(tmp_path_factory):
     out, work = tmp_path_factory.mktemp("bench-results"), tmp_path_factory.mktemp("bench-work")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "smoke.py"), "--out", str(out), "--work", str(work)]
-        + ["on_paper", "padding", *RAY_SCRIPTS, "throughput --where"],
+        + ["on_paper", "padding", "padding --turns 2", *RAY_SCRIPTS, "throughput --where"],
         cwd=ROOT,
         env={**os.environ, **RAY_TEST_ENV},
         capture_output=True,
@@ -207,6 +207,30 @@ def test_padding_runs_tiny(smoke):
         assert 0 < share["padded_budgeted"] < share["padded"], (kind, share)
 
 
+@pytest.mark.slow
+def test_padding_turns_against_the_hf_trainer(smoke):
+    """bench/padding.py --turns: raylora and the HF Trainer taking turns block by block on both mixes;
+    the goal's figure is each side's useful tokens per second over all its blocks, and the training
+    threads' CPU of the two ranks is at most the blocks' wall time on each (it is their own CPU, not the
+    process's)."""
+    result = _result(smoke, "padding --turns 2", "padding_turns")
+    sides = ("raylora", "hf_trainer")
+    for kind, mix in result["mixes"].items():
+        per_block = mix["raylora_grouped_over_hf_trainer_per_block"]
+        assert len(per_block) == mix["setup"]["blocks"] and all(r > 0 for r in per_block), kind
+        assert mix["raylora_grouped_over_hf_trainer"] == pytest.approx(statistics.median(per_block)), kind
+        overall = mix["useful_tokens_per_s_all_blocks"]
+        assert mix["raylora_grouped_over_hf_trainer_all_blocks"] == pytest.approx(
+            overall["raylora"] / overall["hf_trainer"]
+        ), kind
+        for side in sides:
+            assert mix["cpu_ms_per_useful_token"][side] > 0, (kind, side)
+            assert 0 < mix["cpu_per_wall_second"][side] <= 2 * 1.001, (kind, side)
+    assert result["goal"]["met"] == all(
+        mix["raylora_grouped_over_hf_trainer_all_blocks"] > 1 for mix in result["mixes"].values()
+    )
+
+
 def _take_turns(side: str, path: str, blocks: int, log: str, fail_at: int | None) -> None:
     """One side of test_turns_alternate_block_by_block: a process group of its own (gloo, 1 rank)."""
     import torch.distributed as dist
@@ -225,6 +249,9 @@ def _take_turns(side: str, path: str, blocks: int, log: str, fail_at: int | None
             with open(log, "a") as f:
                 f.write(f"{side}:{block}\n")
             turns.done(block)
+        turns.finish(blocks)
+        with open(log, "a") as f:
+            f.write(f"{side}:end\n")
     except BaseException:
         turns.fail()
         raise
@@ -234,8 +261,9 @@ def _take_turns(side: str, path: str, blocks: int, log: str, fail_at: int | None
 
 def test_turns_alternate_block_by_block(tmp_path):
     """bench/common.py `Turns`, which the in_worker and padding --turns comparisons rest on: two process
-    groups never train at once and alternate strictly, the first side first in each block; a side that
-    fails stops the other instead of leaving it waiting."""
+    groups never train at once and alternate strictly, the first side first in each block, and the first
+    one finishes after the second's last block; a side that fails stops the other instead of leaving it
+    waiting."""
     import multiprocessing
 
     sys.path.insert(0, str(ROOT / "bench"))
@@ -264,7 +292,9 @@ def test_turns_alternate_block_by_block(tmp_path):
 
     order, codes = run(None)
     assert codes == [0, 0]
-    assert order == ["first:0", "second:0", "first:1", "second:1", "first:2", "second:2"]
+    blocks = ["first:0", "second:0", "first:1", "second:1", "first:2", "second:2"]
+    # the first side goes on (and out) only once the second side's last block has ended
+    assert order[:6] == blocks and sorted(order[6:]) == ["first:end", "second:end"]
     order, codes = run(1)  # the second side fails in its second block; the first stops waiting for it
     assert order == ["first:0", "second:0", "first:1"]
     assert codes[0] != 0 and codes[1] != 0 and None not in codes

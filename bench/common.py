@@ -18,6 +18,7 @@ import platform
 import shlex
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -622,16 +623,26 @@ def raylora_worker_env():
     return mock.patch.dict(os.environ, worker_env())
 
 
-def plain_process_group(rank: int, world: int, port: int) -> None:
-    """A rank of the loop without Ray (torch.multiprocessing): the environment variables Ray Train sets,
-    one intra-op thread as Ray gives a worker holding 1 CPU (OMP_NUM_THREADS=1), gloo on 127.0.0.1."""
+def rendezvous() -> str:
+    """Where the ranks of a `plain_process_group` meet: a fresh file for torch's FileStore rather than a
+    TCP port. A port found free here can be taken before rank 0 listens on it (Ray's processes open ports
+    all the time beside the benches): a CI run failed so with EADDRINUSE (2026-12-06). gloo's own
+    connections then take ports the system gives out at bind time."""
+    return f"file://{tempfile.mkdtemp(prefix='raylora-bench-pg-')}/store"
+
+
+def plain_process_group(rank: int, world: int, rendezvous: str) -> None:
+    """A rank of the loop without Ray (torch.multiprocessing): the rank variables Ray Train sets, one
+    intra-op thread as Ray gives a worker holding 1 CPU (OMP_NUM_THREADS=1), gloo on this machine, meeting
+    at `rendezvous` (`rendezvous()`)."""
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
+    )
     torch.set_num_threads(PLAIN_THREADS)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
 
 
 class Turns:

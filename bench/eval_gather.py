@@ -110,10 +110,10 @@ def measure(s, samples: int, reps: int, counter, gathered, forwards: list[int]) 
     return rows
 
 
-def plain_worker(rank: int, world: int, port: int, cfg, samples: int, reps: int, out: str) -> None:
+def plain_worker(rank: int, world: int, rendezvous: str, cfg, samples: int, reps: int, out: str) -> None:
     import torch.distributed as dist
 
-    common.plain_process_group(rank, world, port)
+    common.plain_process_group(rank, world, rendezvous)
     from raylora import evaluate, worker, zero
 
     forwards = [0]  # calls of the Hugging Face model's forward on this rank, ZeRO-3's and the copy's
@@ -211,7 +211,7 @@ def main() -> None:
         "data.workers=0",
     )
     out = work / "rows.json"
-    mp.spawn(plain_worker, args=(2, common.free_port(), cfg, samples, reps, str(out)), nprocs=2)
+    mp.spawn(plain_worker, args=(2, common.rendezvous(), cfg, samples, reps, str(out)), nprocs=2)
     raw = json.loads(out.read_text())
     settings = {name: summarise(result, reps) for name, result in raw.items()}
     main_setting = settings["as_a_7b_model"]

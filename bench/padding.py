@@ -237,13 +237,13 @@ def write_mix(folder: Path, kind: str, rows: int, rng: np.random.Generator) -> s
     return str(path)
 
 
-def step_worker(rank: int, world: int, port: int, cfgs: list, steps: int, outs: list[str]) -> None:
+def step_worker(rank: int, world: int, rendezvous: str, cfgs: list, steps: int, outs: list[str]) -> None:
     """One rank of raylora's step without Ray (bench/throughput.py's loop), for each config of `cfgs` in
     turn (one, but for --tiny: starting the processes costs more than its steps): per step its time and
     the useful tokens train_step counted; the peak resident memory over the steps."""
     import torch.distributed as dist
 
-    common.plain_process_group(rank, world, port)
+    common.plain_process_group(rank, world, rendezvous)
     for cfg, out in zip(cfgs, outs, strict=True):
         _steps(rank, world, cfg, steps, out)
     dist.destroy_process_group()
@@ -383,7 +383,7 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
         for group in groups:
             configs, files = [cfgs[m] for m in group], [outs[m] for m in group]
             with common.raylora_worker_env():  # raylora's side, as its Train workers start
-                mp.spawn(step_worker, args=(2, common.free_port(), configs, steps, files), nprocs=2)
+                mp.spawn(step_worker, args=(2, common.rendezvous(), configs, steps, files), nprocs=2)
         for mode in modes:
             got = json.loads(Path(outs[mode]).read_text())
             timed = got["steps"][warmup:]
@@ -440,7 +440,9 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
 TURN_SIDES = ("raylora", "hf_trainer")
 
 
-def _turn_steps(rank: int, world: int, port: int, cfg, warmup: int, blocks: int, n: int, turn: str, out: str):
+def _turn_steps(
+    rank: int, world: int, rendezvous: str, cfg, warmup: int, blocks: int, n: int, turn: str, out: str
+):
     """raylora's side of `turns`: `warmup` steps, then `blocks` blocks of `n` steps taking turns with the
     Trainer (`common.Turns`); each block's seconds, useful tokens (all ranks) and each rank's
     training-thread CPU seconds (`time.thread_time`) into `out` (rank 0)."""
@@ -448,7 +450,7 @@ def _turn_steps(rank: int, world: int, port: int, cfg, warmup: int, blocks: int,
 
     from raylora import worker
 
-    common.plain_process_group(rank, world, port)
+    common.plain_process_group(rank, world, rendezvous)
     turns = common.Turns(turn, TURN_SIDES, "raylora")
     rows = []
     try:
@@ -521,7 +523,7 @@ def turns(args, kind: str, warmup: int, blocks: int, n: int, budget: bool = Fals
     with common.raylora_worker_env():
         raylora_side = mp.spawn(
             _turn_steps,
-            args=(2, common.free_port(), cfg, warmup, blocks, n, str(turn), str(out)),
+            args=(2, common.rendezvous(), cfg, warmup, blocks, n, str(turn), str(out)),
             nprocs=2,
             join=False,
         )

@@ -55,11 +55,11 @@ from tests.support import tiny_run_config
 THREADS = common.PLAIN_THREADS  # each plain process, as a Ray worker holding 1 CPU
 
 
-def plain_worker(rank: int, world: int, port: int, cfg, steps: int, out: str) -> None:
+def plain_worker(rank: int, world: int, rendezvous: str, cfg, steps: int, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    common.plain_process_group(rank, world, port)
+    common.plain_process_group(rank, world, rendezvous)
     from raylora import worker
 
     s = worker.setup(cfg, None)
@@ -73,12 +73,14 @@ def plain_worker(rank: int, world: int, port: int, cfg, steps: int, out: str) ->
     dist.destroy_process_group()
 
 
-def plain_worker_alongside(rank: int, world: int, port: int, cfg, warmup: int, ticks: str, go: str) -> None:
+def plain_worker_alongside(
+    rank: int, world: int, rendezvous: str, cfg, warmup: int, ticks: str, go: str
+) -> None:
     """The loop without Ray for `alongside`: `warmup` steps, then (once the file `go` exists) steps until
     the bench stops it, rank 0 appending each step's end time to `ticks`, a line per step."""
     import torch.distributed as dist
 
-    common.plain_process_group(rank, world, port)
+    common.plain_process_group(rank, world, rendezvous)
     from raylora import worker
 
     s = worker.setup(cfg, None)
@@ -187,7 +189,7 @@ def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: f
                 plain_worker_alongside,
                 args=(
                     2,
-                    common.free_port(),
+                    common.rendezvous(),
                     cfg(f"alongside-plain-{name}", f"train.max_steps={10 * steps}"),
                     warmup,
                     str(ticks),
@@ -312,11 +314,19 @@ def take_turns(side: str, turn: str, cfg, blocks: int, n: int, sides: tuple = SI
 
 
 def _plain_turns(
-    rank: int, world: int, port: int, cfg, blocks: int, n: int, turn: str, out: str, sides: tuple = SIDES
+    rank: int,
+    world: int,
+    rendezvous: str,
+    cfg,
+    blocks: int,
+    n: int,
+    turn: str,
+    out: str,
+    sides: tuple = SIDES,
 ) -> None:
     import torch.distributed as dist
 
-    common.plain_process_group(rank, world, port)
+    common.plain_process_group(rank, world, rendezvous)
     try:
         rows = take_turns("plain", turn, cfg, blocks, n, sides)
     except BaseException:
@@ -328,12 +338,14 @@ def _plain_turns(
     dist.destroy_process_group()
 
 
-def _actor_turns(rank: int, world: int, port: int, cfg, blocks: int, n: int, turn: str, side: str, sides):
+def _actor_turns(
+    rank: int, world: int, rendezvous: str, cfg, blocks: int, n: int, turn: str, side: str, sides
+):
     """A side of `where` in a plain Ray task (a Ray worker process without Ray Train): its own gloo
     group, as the plain processes have. Returns rank 0's blocks."""
     import torch.distributed as dist
 
-    common.plain_process_group(rank, world, port)
+    common.plain_process_group(rank, world, rendezvous)
     try:
         rows = take_turns(side, turn, cfg, blocks, n, sides)
     except BaseException:
@@ -378,8 +390,8 @@ def where(work: Path, cfg, blocks: int, n: int) -> dict:
     def actors(turn: str, sides: tuple) -> list:
         """The two plain Ray actor processes' side, started; their refs."""
         common.Turns.start(turn, sides)
-        port = common.free_port()
-        return [remote.remote(r, 2, port, cfg, blocks, n, turn, "actor", sides) for r in range(2)]
+        rendezvous = common.rendezvous()
+        return [remote.remote(r, 2, rendezvous, cfg, blocks, n, turn, "actor", sides) for r in range(2)]
 
     out = {}
     sides = ("actor", "plain")
@@ -388,7 +400,7 @@ def where(work: Path, cfg, blocks: int, n: int) -> dict:
     plain_out = work / "turns-plain-beside-actor.json"
     with common.raylora_worker_env():
         mp.spawn(
-            _plain_turns, args=(2, common.free_port(), cfg, blocks, n, turn, str(plain_out), sides), nprocs=2
+            _plain_turns, args=(2, common.rendezvous(), cfg, blocks, n, turn, str(plain_out), sides), nprocs=2
         )
     out["actor_over_plain"] = _ratios(ray.get(refs)[0], json.loads(plain_out.read_text()), n)
 
@@ -429,7 +441,7 @@ def in_worker(work: Path, cfg, blocks: int, n: int) -> dict:
     thread.start()
     try:
         with common.raylora_worker_env():
-            mp.spawn(_plain_turns, args=(2, common.free_port(), cfg, blocks, n, turn, str(out)), nprocs=2)
+            mp.spawn(_plain_turns, args=(2, common.rendezvous(), cfg, blocks, n, turn, str(out)), nprocs=2)
     finally:
         thread.join()
     if "error" in got:
@@ -582,7 +594,7 @@ def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -
         sampler = common.CpuSampler()
         with common.raylora_worker_env():  # as raylora's Train workers start: Ray is the difference
             mp.spawn(
-                plain_worker, args=(2, common.free_port(), cfg(f"plain-{name}"), steps, str(out)), nprocs=2
+                plain_worker, args=(2, common.rendezvous(), cfg(f"plain-{name}"), steps, str(out)), nprocs=2
             )
         times = json.loads(out.read_text())["times"]
         samples["plain"].append(rate(times, warmup))

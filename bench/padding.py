@@ -541,11 +541,11 @@ def turns(args, kind: str, warmup: int, blocks: int, n: int, budget: bool = Fals
     # The two sides' blocks hold different samples (each side's own length grouping), so a block's rate
     # moves with what it holds as well as with the machine; over all blocks, which span the same wall
     # time (taking turns) and 2.5 epochs or more of the same rows on each side, the samples even out.
-    overall = {
-        side: sum(r["tokens"] for r in rows[side]) / sum(r["seconds"] for r in rows[side])
-        for side in TURN_SIDES
-    }
-    cpu = {side: sum(sum(r["cpu_seconds"]) for r in rows[side]) for side in TURN_SIDES}
+    tokens, seconds, cpu = (
+        {side: sum(f(r) for r in rows[side]) for side in TURN_SIDES}
+        for f in (lambda r: r["tokens"], lambda r: r["seconds"], lambda r: sum(r["cpu_seconds"]))
+    )
+    overall = {side: tokens[side] / seconds[side] for side in TURN_SIDES}
     return {
         "model": f"tiny {arch} width {width}, {MEASURE_LAYERS}+{MEASURE_LAYERS} layers",
         "setup": {
@@ -563,12 +563,8 @@ def turns(args, kind: str, warmup: int, blocks: int, n: int, budget: bool = Fals
         "raylora_grouped_over_hf_trainer_all_blocks": overall["raylora"] / overall["hf_trainer"],
         # the training threads' CPU (both ranks) per useful token, and per wall second of the blocks (2:
         # neither rank ever waits, for the other rank or for a core)
-        "cpu_ms_per_useful_token": {
-            side: 1000 * cpu[side] / sum(r["tokens"] for r in rows[side]) for side in TURN_SIDES
-        },
-        "cpu_per_wall_second": {
-            side: cpu[side] / sum(r["seconds"] for r in rows[side]) for side in TURN_SIDES
-        },
+        "cpu_ms_per_useful_token": {side: 1000 * cpu[side] / tokens[side] for side in TURN_SIDES},
+        "cpu_per_wall_second": {side: cpu[side] / seconds[side] for side in TURN_SIDES},
     }
 
 

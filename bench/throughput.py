@@ -449,6 +449,10 @@ def in_worker(work: Path, cfg, blocks: int, n: int) -> dict:
     rows = {"ray": got["ray"], "plain": json.loads(out.read_text())}
     rates = {side: [n / r["seconds"] for r in rows[side]] for side in SIDES}
     per_block = [r / p for r, p in zip(rates["ray"], rates["plain"], strict=True)]
+    cpu_per_block = [
+        r["thread_cpu_seconds"] / p["thread_cpu_seconds"]
+        for r, p in zip(rows["ray"], rows["plain"], strict=True)
+    ]
 
     def per_step(side: str, key) -> float:
         return common.median([key(r) / n for r in rows[side]])
@@ -465,16 +469,8 @@ def in_worker(work: Path, cfg, blocks: int, n: int) -> dict:
         "training_thread_cpu_ms_per_step_rank0": {
             side: common.summary([1000 * r["thread_cpu_seconds"] / n for r in rows[side]]) for side in SIDES
         },
-        "training_thread_cpu_ray_over_plain_per_block": [
-            r["thread_cpu_seconds"] / p["thread_cpu_seconds"]
-            for r, p in zip(rows["ray"], rows["plain"], strict=True)
-        ],
-        "training_thread_cpu_ray_over_plain": common.median(
-            [
-                r["thread_cpu_seconds"] / p["thread_cpu_seconds"]
-                for r, p in zip(rows["ray"], rows["plain"], strict=True)
-            ]
-        ),
+        "training_thread_cpu_ray_over_plain_per_block": cpu_per_block,
+        "training_thread_cpu_ray_over_plain": common.median(cpu_per_block),
         "context_switches_per_step_rank0": {
             side: {
                 "training_thread_voluntary": per_step(side, lambda r: r["thread_switches"][0]),

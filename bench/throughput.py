@@ -279,12 +279,16 @@ SIDES = ("ray", "plain")
 def take_turns(side: str, turn: str, cfg, blocks: int, n: int, sides: tuple = SIDES) -> list[dict]:
     """One side of `in_worker` (module docstring), on every rank: setup and 3 warm-up steps, then
     `blocks` blocks of `n` train_steps taking turns with the other of `sides` (`common.Turns`). Returns
-    (rank 0's) each block's seconds, the training thread's CPU seconds (`time.thread_time`) and context
-    switches: the training thread's (voluntary, involuntary) and all threads' of the process."""
+    (rank 0's) each block's seconds, the training thread's CPU seconds (`time.thread_time`), context
+    switches (the training thread's, voluntary and involuntary, and all threads' of the process) and
+    cores. The Ray Train side binds its training thread as raylora's loop does (`worker.bind_cores`); the
+    plain processes, as users start them, and the plain Ray actors of `where` do not."""
     from raylora import worker
 
     turns = common.Turns(turn, sides, side)
     s = worker.setup(cfg, None)
+    if side == "ray":  # as raylora's training loop binds its thread (scaling.bind_cores)
+        worker.bind_cores(cfg)
     for _ in range(3):
         worker.train_step(s)
     turns.ready()
@@ -305,6 +309,7 @@ def take_turns(side: str, turn: str, cfg, blocks: int, n: int, sides: tuple = SI
                     "thread_cpu_seconds": cpu,
                     "thread_switches": [a - b for a, b in zip(after, thread, strict=True)],
                     "process_switches": _process_switches() - process,
+                    "cores": sorted(os.sched_getaffinity(0)),  # the training thread's
                 }
             )
 
@@ -471,6 +476,7 @@ def in_worker(work: Path, cfg, blocks: int, n: int) -> dict:
         },
         "training_thread_cpu_ray_over_plain_per_block": cpu_per_block,
         "training_thread_cpu_ray_over_plain": common.median(cpu_per_block),
+        "training_thread_cores_rank0": {side: rows[side][0]["cores"] for side in SIDES},
         "context_switches_per_step_rank0": {
             side: {
                 "training_thread_voluntary": per_step(side, lambda r: r["thread_switches"][0]),

@@ -194,6 +194,11 @@ class ScalingConfig:
     """One GPU per worker and NCCL (bf16 unless train.precision says otherwise); false: CPU and gloo."""
     cpus_per_worker: float = 1.0
     """CPUs Ray reserves for each worker."""
+    bind_cores: bool = True
+    """CPU workers (use_gpu false) whose CPUs fill their node: each worker's training thread runs on a share
+    of the node's cores of its own (raylora.worker.core_share), as DeepSpeed's launcher does with
+    --bind_cores_to_rank, so it is not moved between cores with Ray's threads around it. Left to the OS
+    where the run's workers do not hold all of the node's CPUs, and on GPU workers."""
 
 
 @dataclass

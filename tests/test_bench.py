@@ -165,6 +165,11 @@ def test_throughput_where_takes_turns_in_each_comparison(smoke):
     assert in_worker["training_thread_cpu_ray_over_plain"] == pytest.approx(
         statistics.median(in_worker["training_thread_cpu_ray_over_plain_per_block"])
     )
+    # the Ray Train workers' training threads bound as raylora's loop binds them (scaling.bind_cores: on 2
+    # cores, which their 2 CPUs fill, rank 0 on the first), the plain processes' left where the OS puts them
+    cores = sorted(os.sched_getaffinity(0))
+    bound = in_worker["training_thread_cores_rank0"]
+    assert bound == {"ray": cores[:1] if len(cores) == 2 else cores, "plain": cores}
     for name in ("actor_over_plain", "train_over_actor"):
         pair = figures[name]
         assert len(pair["per_block"]) == blocks and all(r > 0 for r in pair["per_block"]), name

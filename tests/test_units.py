@@ -307,3 +307,24 @@ def test_zero3_steps_start_no_process_once_the_local_size_is_told():
         "assert os.environ['LOCAL_SIZE'] == '1' and get_accelerator().device_count() == 1\n"
         "assert steps(3) == [], 'a ZeRO-3 step still starts a process'\n",
     )
+
+
+def test_core_share_splits_a_node_the_workers_fill():
+    from raylora.worker import core_share
+
+    # 2 workers of 1 CPU on 2 cores, and of 8 CPUs on 16 cores (the shipped 7B configs' CPU count):
+    # consecutive shares, one per worker, covering the cores once
+    assert [core_share(r, 2, 1.0, [0, 1]) for r in range(2)] == [[0], [1]]
+    node = list(range(16))
+    shares = [core_share(r, 2, 8.0, node) for r in range(2)]
+    assert shares == [node[:8], node[8:]]
+    # the process's own cores, whatever their numbers (a container's cpuset)
+    assert core_share(1, 2, 2.0, [4, 5, 6, 7]) == [6, 7]
+    # an odd core left over goes to no worker rather than to one of them
+    assert [core_share(r, 2, 2.0, [0, 1, 2]) for r in range(2)] == [[0], [1]]
+    # workers that hold fewer CPUs than the node has cores: other work may share it, so the OS places them
+    assert core_share(0, 2, 1.0, list(range(4))) is None
+    assert core_share(0, 1, 1.0, [0, 1]) is None
+    # more workers than cores, or a rank outside the node's workers
+    assert core_share(2, 3, 1.0, [0, 1]) is None
+    assert core_share(2, 2, 1.0, [0, 1]) is None

@@ -260,6 +260,7 @@ def _steps(rank: int, world: int, cfg, steps: int, out: str) -> None:
     from raylora import worker
 
     s = worker.setup(cfg, None)
+    worker.bind_cores(cfg, rank, world)  # as raylora's Train workers bind their training threads
     common.peak_rss_reset()
     rows = []
     for _ in range(steps):
@@ -455,6 +456,7 @@ def _turn_steps(
     rows = []
     try:
         s = worker.setup(cfg, None)
+        worker.bind_cores(cfg, rank, world)  # as raylora's Train workers bind their training threads
         for _ in range(warmup):
             worker.train_step(s)
         turns.ready()

@@ -288,7 +288,10 @@ def take_turns(side: str, turn: str, cfg, blocks: int, n: int, sides: tuple = SI
     turns = common.Turns(turn, sides, side)
     s = worker.setup(cfg, None)
     if side == "ray":  # as raylora's training loop binds its thread (scaling.bind_cores)
-        worker.bind_cores(cfg)
+        import ray.train
+
+        context = ray.train.get_context()
+        worker.bind_cores(cfg, context.get_local_rank(), context.get_local_world_size())
     for _ in range(3):
         worker.train_step(s)
     turns.ready()

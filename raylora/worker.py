@@ -427,22 +427,17 @@ def core_share(
     return cores[local_rank * share : (local_rank + 1) * share]
 
 
-def bind_cores(cfg: Config) -> list[int] | None:
-    """scaling.bind_cores on a CPU worker: the calling thread, the training function's, onto this worker's
-    `core_share` of the node; threads it starts later inherit it. Only this thread: Ray's threads in the
+def bind_cores(cfg: Config, local_rank: int, local_world: int) -> list[int] | None:
+    """scaling.bind_cores on a CPU worker: the calling thread, the training function's, onto the
+    `core_share` of worker `local_rank` of the run's `local_world` on its node; threads it starts later
+    inherit it. Only this thread: Ray's threads in the
     worker (its task loop, gRPC) and gloo's stay free to run where a core is idle. On 2 cores with 2
     workers, a training thread that the scheduler moved between the cores with those threads ran its
     steps about 2% slower (README: What Ray costs). Call it once the input pipeline's processes have
     started, so that they are not bound with it. Returns the cores, or None where left to the OS."""
     if cfg.scaling.use_gpu or not cfg.scaling.bind_cores or not hasattr(os, "sched_setaffinity"):
         return None
-    context = ray.train.get_context()
-    cores = core_share(
-        context.get_local_rank(),
-        context.get_local_world_size(),
-        cfg.scaling.cpus_per_worker,
-        sorted(os.sched_getaffinity(0)),
-    )
+    cores = core_share(local_rank, local_world, cfg.scaling.cpus_per_worker, sorted(os.sched_getaffinity(0)))
     if cores is not None:
         os.sched_setaffinity(0, cores)  # pid 0: the calling thread alone, not the whole process
     return cores
@@ -470,7 +465,8 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
     s.inputs = step_inputs(
         functools.partial(step_batches, s), range(s.step, cfg.train.max_steps), cfg.data.workers
     )
-    cores = bind_cores(cfg)
+    context = ray.train.get_context()
+    cores = bind_cores(cfg, context.get_local_rank(), context.get_local_world_size())
     if cores is not None:
         log.info("rank %d trains on core(s) %s (scaling.bind_cores)", s.rank, ",".join(map(str, cores)))
     history, started = [], time.perf_counter()

@@ -215,6 +215,7 @@ def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: f
         if len(workers) != 2 or not any("TrainController" in c for c in run.values()):
             raise RuntimeError(f"alongside: expected 2 Ray Train workers and a controller, found {run}")
         sides["raylora"] = list(run)
+        bound = {pid: bound_threads(pid) for pid in workers}
         signal_all(sides["raylora"], signal.SIGSTOP)
         signal_all(sides["plain"], signal.SIGSTOP)
         go.touch()  # the plain side passes its gate in its first turn
@@ -254,7 +255,34 @@ def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: f
         "seconds_of_turns": {side: sum(b - a for a, b in w) for side, w in turns.items()},
         "raylora_report_every_s": c.run.report_every_s,
         "raylora_controller_poll_s": poll_s,
+        # each Ray Train worker's threads bound to fewer cores than its process may use, after the warm-up
+        # (scaling.bind_cores: the training thread alone)
+        "raylora_bound_threads": list(bound.values()),
     }
+
+
+def bound_threads(pid: int) -> list[list[int]]:
+    """The cores of each thread of process `pid` that may run on fewer cores than the process's main
+    thread (/proc/PID/task/TID/status: Cpus_allowed_list)."""
+
+    def cores(status: Path) -> list[int]:
+        line = next(x for x in status.read_text().splitlines() if x.startswith("Cpus_allowed_list:"))
+        out = []
+        for part in line.split(":", 1)[1].strip().split(","):
+            first, _, last = part.partition("-")
+            out += range(int(first), int(last or first) + 1)
+        return out
+
+    every = cores(Path(f"/proc/{pid}/status"))
+    threads = []
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+        try:
+            mine = cores(task / "status")
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            continue
+        if mine != every:
+            threads.append(mine)
+    return threads
 
 
 def _switches(path: str) -> tuple[int, int]:

@@ -195,10 +195,11 @@ class ScalingConfig:
     cpus_per_worker: float = 1.0
     """CPUs Ray reserves for each worker."""
     bind_cores: bool = True
-    """CPU workers (use_gpu false) whose CPUs fill their node: each worker's training thread runs on a share
-    of the node's cores of its own (raylora.worker.core_share), as DeepSpeed's launcher does with
-    --bind_cores_to_rank, so it is not moved between cores with Ray's threads around it. Left to the OS
-    where the run's workers do not hold all of the node's CPUs, and on GPU workers."""
+    """CPU workers (use_gpu false) that hold as many CPUs as their node has cores: each worker's training
+    thread runs on a share of the cores of its own (raylora.worker.core_share), so that it is not moved
+    between cores among Ray's threads; that thread alone, where DeepSpeed's --bind_cores_to_rank binds a
+    whole process. Left to the OS where the run's workers hold fewer CPUs than the node has cores, and on
+    GPU workers."""
 
 
 @dataclass

@@ -11,6 +11,7 @@ Restore order (DeepSpeed's engine builds its fp32 masters from the parameter val
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -418,29 +419,53 @@ def core_share(
 ) -> list[int] | None:
     """The cores that worker `local_rank` of the run's `local_world` workers on a node trains on
     (scaling.bind_cores): `cores`, those the process may run on, cut in order into one equal share per
-    worker. None (left to the OS) where the workers ask Ray for fewer CPUs than there are cores, so that
-    other work may run on the node (another run's workers, a Tune trial beside this one, which would bind
-    the same shares), or where there are fewer cores than workers."""
+    worker (an odd core left over goes to none). None (left to the OS) where the workers ask Ray for
+    fewer CPUs than there are cores, which leaves room on the node for other work, or where there are
+    fewer cores than workers. The rule reads the cores, not Ray's count of the node's CPUs: on a node
+    that Ray was told has more CPUs than cores (`ray start --num-cpus` above them), runs side by side
+    each fill it and bind the same shares; under a container's CPU quota (not a cpuset) every core of the
+    host is visible, so workers that hold the quota's CPUs are left to the OS."""
     share = len(cores) // local_world if local_world > 0 else 0
-    if share == 0 or not 0 <= local_rank < local_world or local_world * cpus_per_worker < len(cores):
+    # the tolerance: 100 workers of 0.29 CPUs hold 29 of them, which in floats is 28.999...
+    if share == 0 or not 0 <= local_rank < local_world or local_world * cpus_per_worker < len(cores) - 1e-6:
         return None
     return cores[local_rank * share : (local_rank + 1) * share]
 
 
 def bind_cores(cfg: Config, local_rank: int, local_world: int) -> list[int] | None:
     """scaling.bind_cores on a CPU worker: the calling thread, the training function's, onto the
-    `core_share` of worker `local_rank` of the run's `local_world` on its node; threads it starts later
-    inherit it. Only this thread: Ray's threads in the
-    worker (its task loop, gRPC) and gloo's stay free to run where a core is idle. On 2 cores with 2
-    workers, a training thread that the scheduler moved between the cores with those threads ran its
-    steps about 2% slower (README: What Ray costs). Call it once the input pipeline's processes have
-    started, so that they are not bound with it. Returns the cores, or None where left to the OS."""
+    `core_share` of worker `local_rank` of the run's `local_world` on its node. Only this thread, unlike
+    DeepSpeed's launcher, whose --bind_cores_to_rank binds the whole process: Ray's threads in the worker
+    (its task loop, gRPC) and gloo's stay free to run where a core is idle, and so do torch's intra-op
+    threads that the setup already started (with more than one CPU per worker). Threads that this thread
+    starts later inherit the binding: report with `unbound` around `ray.train.report`, whose checkpoint
+    uploads start threads of Ray's. On 2 cores with 2 workers, training threads that the scheduler moved
+    between the cores among Ray's threads ran their steps about 2% slower (README: "Where raylora
+    loses"). Call it once the input pipeline's processes have started, so that they are not bound with
+    it. Returns the cores, or None where the thread is left to the OS."""
     if cfg.scaling.use_gpu or not cfg.scaling.bind_cores or not hasattr(os, "sched_setaffinity"):
         return None
     cores = core_share(local_rank, local_world, cfg.scaling.cpus_per_worker, sorted(os.sched_getaffinity(0)))
     if cores is not None:
         os.sched_setaffinity(0, cores)  # pid 0: the calling thread alone, not the whole process
     return cores
+
+
+@contextlib.contextmanager
+def unbound(every: set[int] | None):
+    """The calling thread on the cores `every` (the process's, from before `bind_cores`; None: left as
+    it is) while the block runs, then bound again: for calls that start threads which must not inherit
+    the binding (Ray's checkpoint upload threads, started by the first `ray.train.report` that uploads,
+    would upload on rank 0's training core)."""
+    if every is None:
+        yield
+        return
+    bound = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, every)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, bound)
 
 
 def train_loop_per_worker(cfg: Config) -> list[dict]:
@@ -465,7 +490,7 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
     s.inputs = step_inputs(
         functools.partial(step_batches, s), range(s.step, cfg.train.max_steps), cfg.data.workers
     )
-    context = ray.train.get_context()
+    context, every_core = ray.train.get_context(), os.sched_getaffinity(0)
     cores = bind_cores(cfg, context.get_local_rank(), context.get_local_world_size())
     if cores is not None:
         log.info("rank %d trains on core(s) %s (scaling.bind_cores)", s.rank, ",".join(map(str, cores)))
@@ -517,15 +542,16 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
         ckpt = save_checkpoint(s) if saving else None
         # `saving`, not `ckpt`: only rank 0 gets a checkpoint back, and every rank must report alike
         if saving or done or reporter.due(s.step):
-            ray.train.report(
-                reporter.take(s.step),
-                checkpoint=ckpt,
-                # async: rank 0's folder is uploaded while training goes on; Ray records the checkpoint
-                # (and hands it out for a resume) only once the upload completed. Both modes delete
-                # the local folder once it is in storage.
-                checkpoint_upload_mode=UPLOAD_MODES[cfg.run.checkpoint_upload],
-                delete_local_checkpoint_after_upload=True,
-            )
+            with unbound(every_core if cores is not None else None):  # Ray's upload threads start here
+                ray.train.report(
+                    reporter.take(s.step),
+                    checkpoint=ckpt,
+                    # async: rank 0's folder is uploaded while training goes on; Ray records the
+                    # checkpoint (and hands it out for a resume) only once the upload completed. Both
+                    # modes delete the local folder once it is in storage.
+                    checkpoint_upload_mode=UPLOAD_MODES[cfg.run.checkpoint_upload],
+                    delete_local_checkpoint_after_upload=True,
+                )
         if s.rank == 0 and (done or s.step % max(1, cfg.train.max_steps // 20) == 0):
             rate = (s.step - first_step) / (time.perf_counter() - started)
             log.info(

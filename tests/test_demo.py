@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -35,12 +34,6 @@ def test_demo_survives_a_killed_worker_and_writes_its_summary(ray_cluster, tmp_p
     # the console shows raylora's progress lines, not Ray Train's line per report
     assert "step 3/12" in console
     assert "Reporting training result" not in console
-    # 2 workers of 1 CPU fill 2 cores: each training thread on its own one (scaling.bind_cores); the
-    # workers' lines reach the driver through Ray's log monitor, the restarted group's maybe after the end
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) == 2:
-        for rank, core in enumerate(cores):
-            assert f"rank {rank} trains on core(s) {core} (scaling.bind_cores)" in console, rank
     assert summary["final_loss"] > 0
     # adapter-only: 12 bytes per trainable parameter plus small files, far below the base model
     assert 12 * summary["trainable_params"] < summary["checkpoint_bytes"] < 13 * summary["trainable_params"]

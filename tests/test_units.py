@@ -328,3 +328,42 @@ def test_core_share_splits_a_node_the_workers_fill():
     # more workers than cores, or a rank outside the node's workers
     assert core_share(2, 3, 1.0, [0, 1]) is None
     assert core_share(2, 2, 1.0, [0, 1]) is None
+
+
+def test_bind_cores_binds_the_calling_thread_alone_and_unbound_frees_it():
+    import dataclasses
+    import os
+    import threading
+
+    from raylora.config import Config
+    from raylora.worker import bind_cores, unbound
+
+    every = os.sched_getaffinity(0)
+    cores = sorted(every)
+    world = len(cores)  # workers that fill this machine, 1 CPU each
+    cfg = Config()
+    seen = {}
+
+    def training() -> None:
+        seen["bound"] = bind_cores(cfg, world - 1, world)
+        seen["thread"] = os.sched_getaffinity(0)
+        child = threading.Thread(target=lambda: seen.update(child=os.sched_getaffinity(0)))
+        with unbound(every):  # as around ray.train.report: threads started there are not bound
+            seen["inside"] = os.sched_getaffinity(0)
+            child.start()
+            child.join()
+        seen["after"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=training)
+    thread.start()
+    thread.join()
+    assert seen["bound"] == [cores[-1]] and seen["thread"] == {cores[-1]}
+    assert seen["inside"] == every and seen["child"] == every and seen["after"] == {cores[-1]}
+    assert os.sched_getaffinity(0) == every  # the process's other threads stay free
+    # GPU workers and the switch turned off: nothing bound
+    for off in (
+        dataclasses.replace(cfg.scaling, use_gpu=True),
+        dataclasses.replace(cfg.scaling, bind_cores=False),
+    ):
+        assert bind_cores(dataclasses.replace(cfg, scaling=off), 0, world) is None
+    assert os.sched_getaffinity(0) == every

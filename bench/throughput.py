@@ -263,16 +263,25 @@ def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: f
 
 def bound_threads(pid: int) -> list[list[int]]:
     """The cores of each thread of process `pid` that may run on fewer cores than the process's main
-    thread (a thread id is a pid to sched_getaffinity)."""
-    every = os.sched_getaffinity(pid)
+    thread (/proc/PID/task/TID/status: Cpus_allowed_list)."""
+
+    def cores(status: Path) -> list[int]:
+        line = next(x for x in status.read_text().splitlines() if x.startswith("Cpus_allowed_list:"))
+        out = []
+        for part in line.split(":", 1)[1].strip().split(","):
+            first, _, last = part.partition("-")
+            out += range(int(first), int(last or first) + 1)
+        return out
+
+    every = cores(Path(f"/proc/{pid}/status"))
     threads = []
     for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
         try:
-            mine = os.sched_getaffinity(int(task.name))
-        except ProcessLookupError:  # a thread that ended meanwhile
+            mine = cores(task / "status")
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
             continue
         if mine != every:
-            threads.append(sorted(mine))
+            threads.append(mine)
     return threads
 
 
@@ -300,15 +309,17 @@ def take_turns(side: str, turn: str, cfg, blocks: int, n: int, sides: tuple = SI
     `blocks` blocks of `n` train_steps taking turns with the other of `sides` (`common.Turns`). Returns
     (rank 0's) each block's seconds, the training thread's CPU seconds (`time.thread_time`), context
     switches (the training thread's, voluntary and involuntary, and all threads' of the process) and
-    cores. The Ray Train side binds its training thread as raylora's loop does
-    (`worker.bind_train_worker`); the plain processes, as users start them, and the plain Ray actors of
-    `where` do not."""
+    cores. The Ray Train side binds its training thread as raylora's loop does (`worker.bind_cores`); the
+    plain processes, as users start them, and the plain Ray actors of `where` do not."""
     from raylora import worker
 
     turns = common.Turns(turn, sides, side)
     s = worker.setup(cfg, None)
     if side == "ray":  # as raylora's training loop binds its thread (scaling.bind_cores)
-        worker.bind_train_worker(cfg)
+        import ray.train
+
+        context = ray.train.get_context()
+        worker.bind_cores(cfg, context.get_local_rank(), context.get_local_world_size())
     for _ in range(3):
         worker.train_step(s)
     turns.ready()

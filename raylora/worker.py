@@ -451,21 +451,6 @@ def bind_cores(cfg: Config, local_rank: int, local_world: int) -> list[int] | No
     return cores
 
 
-def bind_train_worker(cfg: Config) -> set[int] | None:
-    """`bind_cores` for this Ray Train worker (its local rank and count from Ray Train's context), logged;
-    returns the cores the thread had before, for `unbound`, or None where it was left to the OS."""
-    context, before = ray.train.get_context(), os.sched_getaffinity(0)
-    cores = bind_cores(cfg, context.get_local_rank(), context.get_local_world_size())
-    if cores is None:
-        return None
-    log.info(
-        "rank %d trains on core(s) %s (scaling.bind_cores)",
-        context.get_world_rank(),
-        ",".join(map(str, cores)),
-    )
-    return before
-
-
 @contextlib.contextmanager
 def unbound(every: set[int] | None):
     """The calling thread on the cores `every` (the process's, from before `bind_cores`; None: left as
@@ -505,7 +490,10 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
     s.inputs = step_inputs(
         functools.partial(step_batches, s), range(s.step, cfg.train.max_steps), cfg.data.workers
     )
-    free = bind_train_worker(cfg)
+    context, every_core = ray.train.get_context(), os.sched_getaffinity(0)
+    cores = bind_cores(cfg, context.get_local_rank(), context.get_local_world_size())
+    if cores is not None:
+        log.info("rank %d trains on core(s) %s (scaling.bind_cores)", s.rank, ",".join(map(str, cores)))
     history, started = [], time.perf_counter()
     first_step = s.step
     # bad rows of the run so far: the steps before a restore as the metrics log has them
@@ -554,7 +542,7 @@ def train_loop_per_worker(cfg: Config) -> list[dict]:
         ckpt = save_checkpoint(s) if saving else None
         # `saving`, not `ckpt`: only rank 0 gets a checkpoint back, and every rank must report alike
         if saving or done or reporter.due(s.step):
-            with unbound(free):  # Ray's upload threads start here
+            with unbound(every_core if cores is not None else None):  # Ray's upload threads start here
                 ray.train.report(
                     reporter.take(s.step),
                     checkpoint=ckpt,

@@ -501,7 +501,8 @@ def in_worker(work: Path, cfg, blocks: int, n: int) -> dict:
         "ray_over_plain_per_block": per_block,
         "ray_over_plain": common.median(per_block),
         # the same steps' CPU in the training thread: more in the Ray worker means it gets less done per
-        # CPU second, not that it waits more (README: "Where the workers' lower speed per CPU second goes")
+        # CPU second, not that it waits more (bench/HISTORY.md: "Where the workers' lower speed per CPU
+        # second goes")
         "training_thread_cpu_ms_per_step_rank0": {
             side: common.summary([1000 * r["thread_cpu_seconds"] / n for r in rows[side]]) for side in SIDES
         },

@@ -183,61 +183,38 @@ def test_a_runs_controller_polls_faster_than_it_reports(tmp_path, monkeypatch):
 
 
 def test_workers_start_with_raylora_env_unless_the_driver_or_run_config_says_otherwise(tmp_path, monkeypatch):
-    """A run's CPU workers get `CPU_WORKER_ENV` through Ray's worker runtime env, its GPU workers none; a
-    value in the driver's environment, or in the run config's own worker_runtime_env, is the one they get
-    instead."""
+    """A run's workers get `WORKER_ENV` through Ray's worker runtime env; a value in the driver's
+    environment, or in the run config's own worker_runtime_env, is the one they get instead."""
     import ray.train
 
-    from raylora.driver import CPU_WORKER_ENV, Trainer, make_trainer
+    from raylora.driver import WORKER_ENV, Trainer, make_trainer
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model").mkdir()
     cfg = config.load(None, ["model.path=model", "data.train=t.parquet"])
-    for key in CPU_WORKER_ENV:
+    for key in WORKER_ENV:
         monkeypatch.delenv(key, raising=False)
-    glibc = {
-        "MALLOC_MMAP_THRESHOLD_": "33554432",
-        "MALLOC_TRIM_THRESHOLD_": "1099511627776",
-        "MALLOC_ARENA_MAX": "1",
-    }
-    assert make_trainer(cfg).run_config.worker_runtime_env["env_vars"] == glibc
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
-    env_vars = make_trainer(cfg).run_config.worker_runtime_env["env_vars"]
-    assert env_vars == {**glibc, "MALLOC_TRIM_THRESHOLD_": "0"}
-    mine = ray.train.RunConfig(worker_runtime_env={"env_vars": {"MALLOC_TRIM_THRESHOLD_": "2", "A": "b"}})
+    assert make_trainer(cfg).run_config.worker_runtime_env["env_vars"] == {"THP_MEM_ALLOC_ENABLE": "1"}
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    assert make_trainer(cfg).run_config.worker_runtime_env["env_vars"] == {"THP_MEM_ALLOC_ENABLE": "0"}
+    mine = ray.train.RunConfig(worker_runtime_env={"env_vars": {"THP_MEM_ALLOC_ENABLE": "2", "A": "b"}})
     trainer = Trainer(lambda: None, run_config=mine)
-    env_vars = trainer.run_config.worker_runtime_env["env_vars"]
-    assert env_vars == {**glibc, "MALLOC_TRIM_THRESHOLD_": "2", "A": "b"}
-    assert mine.worker_runtime_env == {"env_vars": {"MALLOC_TRIM_THRESHOLD_": "2", "A": "b"}}  # not changed
-    gpu = Trainer(lambda: None, scaling_config=ray.train.ScalingConfig(num_workers=1, use_gpu=True))
-    assert gpu.run_config.worker_runtime_env["env_vars"] == {}
+    assert trainer.run_config.worker_runtime_env["env_vars"] == {"THP_MEM_ALLOC_ENABLE": "2", "A": "b"}
+    assert mine.worker_runtime_env == {"env_vars": {"THP_MEM_ALLOC_ENABLE": "2", "A": "b"}}  # not changed
 
 
-def _worker_env_and_page_faults() -> tuple:
-    """In a Train worker: the poll it was handed, its glibc variables, and the pages its training thread
-    faults in for two rounds of six CPU tensors of 1-17 MiB, allocated, filled and freed, after three
-    rounds to warm up: a step's pattern. With glibc's defaults each round maps them afresh (thousands of
-    faults); with raylora's worker env the heap keeps them."""
+def _worker_env_and_big_tensor() -> tuple:
+    """In a Train worker: the poll it was handed, its THP_MEM_ALLOC_ENABLE, and the offset of a fresh
+    64 MB CPU tensor within its 4 KiB page: 0 where torch took its transparent-huge-page path (a
+    page-aligned mmap, madvised), 64 (its default alignment, after glibc's chunk header) where not."""
     import os
-    import resource
 
     import torch
 
-    from raylora.driver import CPU_WORKER_ENV, POLL_ENV
+    from raylora.driver import POLL_ENV
 
-    sizes = [3 << 20, 5 << 20, 9 << 20, 17 << 20, 1 << 20, 12 << 20]
-
-    def one_round() -> None:
-        tensors = [torch.ones(size, dtype=torch.uint8) for size in sizes]
-        del tensors
-
-    for _ in range(3):
-        one_round()
-    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-    for _ in range(2):
-        one_round()
-    faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
-    return os.environ.get(POLL_ENV), {key: os.environ.get(key) for key in CPU_WORKER_ENV}, faults
+    big = torch.ones(64 << 20, dtype=torch.uint8)
+    return os.environ.get(POLL_ENV), os.environ.get("THP_MEM_ALLOC_ENABLE"), big.data_ptr() % 4096
 
 
 @pytest.mark.slow
@@ -248,21 +225,19 @@ def test_the_controller_and_workers_get_the_trainers_poll_and_the_env_is_restore
     """Ray Train's controller reads its poll from the driver's environment as `fit` starts it, and hands
     it on to the workers: a run's `Trainer` sets it for its fit and removes it after; one that the
     environment already holds (the probe group's 1 s here, or a user's) is left as it is. The worker
-    process starts with `CPU_WORKER_ENV`, which its glibc honours."""
+    process starts with `WORKER_ENV`, which its torch honours."""
     import os
 
-    from raylora.driver import CPU_WORKER_ENV, POLL_ENV
+    from raylora.driver import POLL_ENV
     from tests.support import on_workers
 
     monkeypatch.delenv(POLL_ENV, raising=False)
     assert probes(lambda: os.environ.get(POLL_ENV)) == "1"
     assert POLL_ENV not in os.environ
-    for key in CPU_WORKER_ENV:
-        monkeypatch.delenv(key, raising=False)
-    poll, env, faults = on_workers(_worker_env_and_page_faults, tmp_path, "poll", num_workers=1, poll_s=0.25)
-    assert (poll, env) == ("0.25", CPU_WORKER_ENV)
-    # the step's tensors stay in glibc's heap (raylora.driver.CPU_WORKER_ENV): 2,000-3,000 faults without
-    assert faults < 100, faults
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    seen = on_workers(_worker_env_and_big_tensor, tmp_path, "poll", num_workers=1, poll_s=0.25)
+    # the worker's torch allocates big CPU tensors on transparent huge pages (raylora.driver.WORKER_ENV)
+    assert seen == ("0.25", "1", 0)
     assert POLL_ENV not in os.environ
 
 

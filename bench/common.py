@@ -614,7 +614,7 @@ PLAIN_THREADS = 1  # Ray sets OMP_NUM_THREADS=1 for a worker that holds 1 CPU; t
 def raylora_worker_env():
     """Within it, this process's environment holds what raylora's Train workers start with
     (`raylora.driver.worker_env`), and so do processes spawned in it: the plain processes that stand in
-    for raylora's workers. torch reads THP_MEM_ALLOC_ENABLE at a process's first CPU allocation, so it
+    for raylora's workers. glibc reads its MALLOC_ variables as a process starts, so they
     cannot be set from inside a spawned rank."""
     from unittest import mock
 

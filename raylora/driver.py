@@ -262,26 +262,43 @@ def metric_callbacks(cfg: Config) -> list:
 # instead of step 4's and a stopped job in tests/test_jobs.py redid two checkpoint intervals instead of one.
 POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 
-# torch's CPU allocator keeps no cache: a tensor of 2 MB or more is a fresh mmap that the kernel fills at
-# first touch, one 4 KiB page fault per page, and gives back when the tensor is freed. A step on CPU
-# allocates its activations and gradients anew each time, so a rank took 65,000-130,000 minor page faults
-# per 16 steps of bench/padding.py's tiny models (the HF Trainer's processes 2,000-27,000, its passes
-# smaller), and kernel time with them. torch's own switch THP_MEM_ALLOC_ENABLE=1 maps such allocations on
-# pages of their own and asks the kernel for transparent huge pages for them (madvise, which the kernels'
-# default "madvise" mode honours): one fault per 2 MB. torch reads it once, at the process's first CPU
-# allocation, so it can only be set in the environment the worker process starts with: Ray's worker runtime
-# env (`Trainer`). Against the HF Trainer at bench/padding.py's steps it moved raylora from 0.96-1.00 to
-# 1.01-1.05 on the LLaVA-like mix and left the Qwen2-VL-like one where it was (peak memory per rank
-# unchanged); on a GPU the big tensors are on the device and it changes little. A value that the driver's
-# environment holds is passed on instead (`worker_env`).
-WORKER_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
+# torch's CPU allocator keeps no cache of its own: every tensor is a glibc malloc, freed when the tensor goes.
+# glibc gives an allocation above its mmap threshold (128 KiB at start, raised as such blocks are freed, 32
+# MiB at most) a fresh mmap, which the kernel fills at first touch, one page fault per 4 KiB page, and takes
+# back at the free; it gives its heap's free top back to the kernel past a trim threshold (twice the mmap
+# threshold); and a thread other than the main one (Ray Train runs the training function in one) allocates
+# from an arena of its own, made of 64 MiB heaps that glibc unmaps as soon as one is empty, whatever the trim
+# threshold (its heap_trim). A training step on CPU allocates its activations and gradients anew each time, so
+# a rank took 65,000-130,000 minor page faults per 16 steps of bench/padding.py's tiny models (the HF
+# Trainer's processes 2,000-27,000, its passes smaller), and kernel time with them. With the mmap threshold at
+# glibc's largest, the trim threshold out of reach and every thread on the main arena (grown by brk, never
+# unmapped), tensors under 32 MiB come from heap memory the process keeps. In a Train worker
+# (tests/test_config.py), over twenty step-like rounds of 160-184 MiB of tensors freed last first, after three
+# of each pattern to warm up, the training thread faulted in 7,000-32,000 pages (6 runs; the median round
+# none: the heap grows when one of Ray's threads takes a block of its free memory), against 70,000-80,000 with
+# torch's THP_MEM_ALLOC_ENABLE=1 (raylora's setting before: big tensors on transparent huge pages, still
+# mapped anew at every step), 43,000-68,000 with glibc's defaults and 34,000-57,000 with the two thresholds
+# alone (the thread's own arena then drops each of its 64 MiB heaps that empties). The threads then share one
+# arena's lock; beside one training thread the others allocate little. Against the HF Trainer at
+# bench/padding.py's steps (Qwen2-VL-like mix, 4 rows per micro batch, taking turns), raylora's ranks went
+# from 1.62-1.63 cores of 2 busy to 1.67-1.68, and from 0.972-0.995 of the Trainer's useful tokens per second
+# (6 runs) to level or ahead (README); peak memory per rank grew by 1-3% (the heap holds the steps' peak and
+# what its free blocks cannot serve). glibc reads the variables once, as the process starts, so they can only
+# be set in the environment the worker process starts with: Ray's worker runtime env (`Trainer`). CPU workers
+# only: on a GPU the step's tensors are on the device. A value that the driver's environment holds is passed
+# on instead (`worker_env`).
+CPU_WORKER_ENV = {
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),
+    "MALLOC_ARENA_MAX": "1",
+}
 
 
-def worker_env() -> dict[str, str]:
-    """The environment variables raylora sets for its Train workers: `WORKER_ENV`, where the driver's
-    environment holds one of them, with the driver's value (the workers of a cluster inherit their
-    raylet's environment, not the driver's)."""
-    return {key: os.environ.get(key, value) for key, value in WORKER_ENV.items()}
+def worker_env(use_gpu: bool = False) -> dict[str, str]:
+    """The environment variables raylora sets for its Train workers: `CPU_WORKER_ENV` on CPU workers
+    (none on GPU workers), where the driver's environment holds one of them, with the driver's value (the
+    workers of a cluster inherit their raylet's environment, not the driver's)."""
+    return {} if use_gpu else {key: os.environ.get(key, value) for key, value in CPU_WORKER_ENV.items()}
 
 
 def controller_poll_s(report_every_s: float) -> float:
@@ -291,7 +308,7 @@ def controller_poll_s(report_every_s: float) -> float:
 
 class Trainer(TorchTrainer):
     """Ray Train's TorchTrainer less the helper actors that serve nothing in a raylora run, its
-    controller polling every `poll_s` seconds (`fit`), its workers started with `worker_env()` (beside
+    controller polling every `poll_s` seconds (`fit`), its CPU workers started with `worker_env()` (beside
     any env_vars of the run config's worker_runtime_env, which win).
 
     Ray Train 2.60 starts, beside the controller and the workers, a DatasetManager at every worker-group
@@ -310,7 +327,9 @@ class Trainer(TorchTrainer):
     def __init__(self, *args, poll_s: float = 0.1, run_config: ray.train.RunConfig | None = None, **kwargs):
         run_config = copy.copy(run_config or ray.train.RunConfig())
         runtime_env = dict(run_config.worker_runtime_env or {})
-        runtime_env["env_vars"] = {**worker_env(), **runtime_env.get("env_vars", {})}
+        scaling = kwargs.get("scaling_config")
+        env = worker_env(use_gpu=bool(scaling and scaling.use_gpu))
+        runtime_env["env_vars"] = {**env, **runtime_env.get("env_vars", {})}
         run_config.worker_runtime_env = runtime_env
         super().__init__(*args, run_config=run_config, **kwargs)
         self.poll_s = poll_s

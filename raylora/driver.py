@@ -282,11 +282,12 @@ POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 # arena's lock; beside one training thread the others allocate little. Against the HF Trainer at
 # bench/padding.py's steps (Qwen2-VL-like mix, 4 rows per micro batch, taking turns), raylora's ranks went
 # from 1.62-1.63 cores of 2 busy to 1.67-1.68, and from 0.972-0.995 of the Trainer's useful tokens per second
-# (6 runs) to level or ahead (README); peak memory per rank grew by 1-3% (the heap holds the steps' peak and
-# what its free blocks cannot serve). glibc reads the variables once, as the process starts, so they can only
-# be set in the environment the worker process starts with: Ray's worker runtime env (`Trainer`). CPU workers
-# only: on a GPU the step's tensors are on the device. A value that the driver's environment holds is passed
-# on instead (`worker_env`).
+# (6 runs) to level or ahead (README); peak memory per rank grew by 1-3% in scratch runs of 24 padded steps
+# (the heap holds the steps' peak and what its free blocks cannot serve) and came out 3-4% lower than with THP
+# in bench/padding.py --repeats 6 (runs of different days). glibc reads the variables once, as the process
+# starts, so they can only be set in the environment the worker process starts with: Ray's worker runtime env
+# (`Trainer`). CPU workers only: on a GPU the step's tensors are on the device. A value that the driver's
+# environment holds is passed on instead (`worker_env`).
 CPU_WORKER_ENV = {
     "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
     "MALLOC_TRIM_THRESHOLD_": str(1 << 40),

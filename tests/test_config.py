@@ -228,9 +228,8 @@ def _worker_env_and_glibc_heap() -> tuple:
     from raylora.driver import CPU_WORKER_ENV, POLL_ENV
 
     class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2, ten size_t
-        _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd".split()] + [
-            (name, ctypes.c_size_t) for name in "usmblks fsmblks uordblks fordblks keepcost".split()
-        ]
+        names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+        _fields_ = [(name, ctypes.c_size_t) for name in names.split()]
 
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
@@ -275,6 +274,7 @@ def test_the_controller_and_workers_get_the_trainers_poll_and_the_env_is_restore
     environment already holds (the probe group's 1 s here, or a user's) is left as it is. The worker
     process starts with `CPU_WORKER_ENV`, which its glibc honours."""
     import os
+    import statistics
 
     from raylora.driver import CPU_WORKER_ENV, POLL_ENV
     from tests.support import on_workers
@@ -295,7 +295,7 @@ def test_the_controller_and_workers_get_the_trainers_poll_and_the_env_is_restore
     # THP_MEM_ALLOC_ENABLE=1, 1,028-1,819 (3 runs). Some rounds do: now and then one of Ray's threads
     # takes a block of the heap's free memory and a round grows the heap (7,000-32,000 pages over the
     # twenty rounds, against 43,000-68,000 with glibc's defaults and 70,000-80,000 with THP).
-    assert sorted(faults)[len(faults) // 2] < round_pages // 100, faults
+    assert statistics.median_high(faults) < round_pages // 100, faults
     assert POLL_ENV not in os.environ
 
 

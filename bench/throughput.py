@@ -36,6 +36,11 @@ run has half of the wall time: per step of its own, it reports and is polled as 
 5. `--where`: the same taking turns between a plain Ray actor process (no Ray Train) and plain processes,
    then between Ray Train workers and plain Ray actor processes (`where`): how much of the `in_worker`
    difference any Ray worker process has, and how much Ray Train adds.
+6. `--floor`: what raylora's own choices about Ray cost. Pairs taking turns as in `alongside`, alternating
+   between raylora's run as it runs and the same run with the least of what raylora decides: a report at
+   its first and last step only (each report is a cross-rank barrier through an actor) and the controller
+   polling every 1 s instead of 0.25 s. What the least run still loses to the plain loop is what Ray costs
+   whatever raylora does.
 """
 
 from __future__ import annotations
@@ -127,12 +132,22 @@ def active_rate(ticks: list[float], windows: list[tuple[float, float]]) -> tuple
 TURN_SIDES = 2  # `alongside`: raylora and the plain loop, each running half of the wall time
 
 
-def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: float, first: str) -> dict:
+def alongside(
+    work: Path,
+    cfg,
+    name: str,
+    warmup: int,
+    windows: int,
+    window_s: float,
+    first: str,
+    poll_s: float | None = None,
+) -> dict:
     """One pair, drift cancelled: raylora's whole run (`make_trainer(...).fit()`: reports, the controller's
     polls, its final checkpoint) and the loop without Ray, both up at once, take turns on the machine
     every `window_s` seconds, `windows` turns each: the side whose turn it is runs, every process of the
     other side is stopped (SIGSTOP, SIGCONT at its next turn). `first` starts; the order flips each round.
-    Each side's steps/s is over its own turns only (`active_rate`)."""
+    Each side's steps/s is over its own turns only (`active_rate`). `poll_s`: the controller's poll
+    interval of a lone run (default: raylora's, `controller_poll_s`)."""
     import signal
 
     import torch.multiprocessing as mp
@@ -155,7 +170,7 @@ def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: f
         f"train.checkpoint_every={steps}",
         f"run.report_every_s={TURN_SIDES * every_s:g}",
     )
-    poll_s = TURN_SIDES * controller_poll_s(every_s)
+    poll_s = TURN_SIDES * (controller_poll_s(every_s) if poll_s is None else poll_s)
     preflight(c)
     clock, ticks, go = (work / f"{k}-alongside-{name}" for k in ("clock", "ticks", "go"))
     for leftover in (clock, ticks, go, Path(f"{ticks}.ready")):
@@ -254,6 +269,7 @@ def alongside(work: Path, cfg, name: str, warmup: int, windows: int, window_s: f
         "steps_counted": {"raylora": ray_steps, "plain": plain_steps},
         "seconds_of_turns": {side: sum(b - a for a, b in w) for side, w in turns.items()},
         "raylora_report_every_s": c.run.report_every_s,
+        "raylora_reports": len({r["reported"] for r in rows}),
         "raylora_controller_poll_s": poll_s,
         # each Ray Train worker's threads bound to fewer cores than its process may use, after the warm-up
         # (scaling.bind_cores: the training thread alone)
@@ -579,6 +595,48 @@ def alongside_turns(args) -> tuple[int, float]:
     return (2, 0.5) if args.tiny else (60, 0.25)
 
 
+# `--floor`: the run as raylora runs it, against the same run with the least of what raylora decides about
+# Ray: a report at the first and the last step only (Ray Train's report is a cross-rank barrier through an
+# actor) and the controller polling every FLOOR_POLL_S, four times less often than raylora's 0.25 s. What
+# the least run still loses to the plain loop is what Ray costs whatever raylora does: its worker processes,
+# controller and barrier actor beside the workers.
+FLOOR_VARIANTS = {"raylora": ([], None), "least": (["run.report_every_s=1000000"], 1.0)}
+FLOOR_POLL_S = FLOOR_VARIANTS["least"][1]
+
+
+def floor(work: Path, cfg, reps: int, windows: int, window_s: float) -> dict:
+    """`reps` rounds of one `alongside` pair of each of FLOOR_VARIANTS, in an order that flips from round
+    to round, as does the side that takes the first turn. Warm-up: one step (the least run reports its
+    first step, then none until its last, so the pair's gate cannot wait for a later one), in both
+    variants alike."""
+    work.mkdir(parents=True, exist_ok=True)
+    pairs: dict[str, list[dict]] = {v: [] for v in FLOOR_VARIANTS}
+    order = []
+    for rep in range(reps):
+        names = list(FLOOR_VARIANTS) if rep % 2 == 0 else list(FLOOR_VARIANTS)[::-1]
+        for i, variant in enumerate(names):
+            more, poll_s = FLOOR_VARIANTS[variant]
+            first = "raylora" if (rep // 2 + i) % 2 == 0 else "plain"
+            order.append([variant, f"{first} first"])
+
+            def variant_cfg(name: str, *also: str, more=more):
+                return cfg(name, *more, *also)
+
+            pairs[variant].append(
+                alongside(work, variant_cfg, f"{variant}-{rep}", 1, windows, window_s, first, poll_s)
+            )
+    per_pair = {v: [p["raylora_over_plain"] for p in ps] for v, ps in pairs.items()}
+    return {
+        "order_of_pairs": order,
+        "pairs": pairs,
+        "ratios": {
+            **{f"{v}_per_pair": r for v, r in per_pair.items()},
+            **{v: common.median(r) for v, r in per_pair.items()},
+            "least_over_raylora": common.median(per_pair["least"]) / common.median(per_pair["raylora"]),
+        },
+    }
+
+
 def measure(args, work: Path, size: tuple, steps: int, warmup: int, reps: int) -> dict:
     import torch.multiprocessing as mp
 
@@ -733,6 +791,13 @@ def main() -> None:
         help="instead: in_worker at the demo's step, and each side against a plain Ray actor process "
         "(`where`), written to throughput_where.json",
     )
+    p.add_argument(
+        "--floor",
+        action="store_true",
+        help="instead: pairs taking turns (alongside) at the demo's step, raylora's run as it runs and the "
+        "same run reporting at its first and last step only, polled every 1 s, alternating; written to "
+        "throughput_floor.json",
+    )
     args = p.parse_args()
     reps = common.repeats(args, 3)
     steps = args.steps or (6 if args.tiny else 100)
@@ -747,6 +812,38 @@ def main() -> None:
         if unknown:
             p.error(f"--sizes: no size {sorted(unknown)}; the sizes are {[s[0] for s in SIZES]}")
         sizes = [s for s in SIZES if s[0] in wanted]
+    if args.floor:
+        size = next(s for s in sizes if s[0] in ("demo", "tiny"))
+        windows, window_s = alongside_turns(args)
+        with common.local_ray():
+            figures = floor(work / "floor", _configs(args, work, size, steps), reps, windows, window_s)
+        common.write_result(
+            args,
+            "throughput_floor",
+            {
+                "model": f"tiny llava width {size[1]}, {size[2]}+{size[2]} layers",
+                "setup": {
+                    "repeats": reps,
+                    "turns_per_side": windows,
+                    "seconds_per_turn": window_s,
+                    "overrides": size[3],
+                    "variants": {
+                        v: {"overrides": more, "controller_poll_s_alone": poll_s}
+                        for v, (more, poll_s) in FLOOR_VARIANTS.items()
+                    },
+                },
+                "figures": figures,
+                "notes": [
+                    "Each pair: a whole run and the loop without Ray taking turns (alongside), its ratio "
+                    "raylora's steps/s over the plain loop's. `raylora`: the run as raylora runs it; "
+                    "`least`: a report at its first and last step only and the controller polling every "
+                    f"{FLOOR_POLL_S:g} s (a lone run's intervals; doubled while taking turns, as in "
+                    "throughput.json). What `least` still loses is what Ray costs whatever raylora decides.",
+                ],
+            },
+        )
+        print(json.dumps(figures["ratios"], indent=1))
+        return
     if args.where:
         size = next(s for s in sizes if s[0] in ("demo", "tiny"))
         blocks, n = turn_blocks(args)

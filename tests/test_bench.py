@@ -37,7 +37,8 @@ def smoke(tmp_path_factory):
     out, work = tmp_path_factory.mktemp("bench-results"), tmp_path_factory.mktemp("bench-work")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "smoke.py"), "--out", str(out), "--work", str(work)]
-        + ["on_paper", "padding", "padding --turns 2", *RAY_SCRIPTS, "throughput --where"],
+        + ["on_paper", "padding", "padding --turns 2", *RAY_SCRIPTS]
+        + ["throughput --where", "throughput --floor"],
         cwd=ROOT,
         env={**os.environ, **RAY_TEST_ENV},
         capture_output=True,
@@ -133,6 +134,43 @@ def test_throughput_alongside_pairs_take_turns_on_whole_runs(smoke):
     ratios = size["ratios"]
     assert ratios["alongside"] == pytest.approx(statistics.median(ratios["alongside_per_pair"]))
     assert result["goal"]["value_by_size"]["tiny"] == ratios["alongside"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_throughput_floor_takes_turns_with_each_variant(smoke):
+    """bench/throughput.py --floor: pairs taking turns of raylora's run as it runs and of the run with the
+    least that raylora decides about Ray, alternating. Each pair's run reported and was polled as its
+    variant says (the least one at its first and last step only, polled every 1 s alone), both sides
+    stepped in their own turns, and the figures are the medians of the pairs."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import throughput
+
+    from raylora.config import RunConfig
+    from raylora.driver import controller_poll_s
+
+    result = _result(smoke, "throughput --floor", "throughput_floor")
+    figures, reps = result["figures"], result["setup"]["repeats"]
+    alone = RunConfig().report_every_s
+    expected_poll = {"raylora": controller_poll_s(alone), "least": throughput.FLOOR_POLL_S}
+    assert [v for v, _ in figures["order_of_pairs"]] == [
+        v for rep in range(reps) for v in (["raylora", "least"] if rep % 2 == 0 else ["least", "raylora"])
+    ]
+    for variant, pairs in figures["pairs"].items():
+        assert len(pairs) == reps, variant
+        for pair in pairs:
+            assert pair["raylora_controller_poll_s"] == 2 * expected_poll[variant], (variant, pair)
+            assert all(pair["steps_counted"][side] >= 1 for side in ("raylora", "plain")), (variant, pair)
+            if variant == "raylora":
+                assert pair["raylora_report_every_s"] == 2 * alone, pair
+            else:  # its first step's report, then its last step's, with the rows of every step between
+                assert pair["raylora_reports"] == 2, pair
+        ratios = [p["raylora_over_plain"] for p in pairs]
+        assert figures["ratios"][f"{variant}_per_pair"] == ratios
+        assert figures["ratios"][variant] == pytest.approx(statistics.median(ratios))
+    assert figures["ratios"]["least_over_raylora"] == pytest.approx(
+        figures["ratios"]["least"] / figures["ratios"]["raylora"]
+    )
 
 
 @pytest.mark.slow

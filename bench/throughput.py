@@ -605,10 +605,11 @@ FLOOR_POLL_S = FLOOR_VARIANTS["least"][1]
 
 
 def floor(work: Path, cfg, reps: int, windows: int, window_s: float) -> dict:
-    """`reps` rounds of one `alongside` pair of each of FLOOR_VARIANTS, in an order that flips from round
-    to round, as does the side that takes the first turn. Warm-up: one step (the least run reports its
-    first step, then none until its last, so the pair's gate cannot wait for a later one), in both
-    variants alike."""
+    """`reps` rounds of one `alongside` pair of each of FLOOR_VARIANTS, the variants' order flipped from
+    round to round. Within a round the two pairs start with opposite sides, and which variant's pair
+    takes the first turn flips every two rounds (raylora's pairs: raylora, plain, plain, raylora, ...).
+    Warm-up: one step (the least run reports its first step, then none until its last, so the pair's
+    gate cannot wait for a later one), in both variants alike."""
     work.mkdir(parents=True, exist_ok=True)
     pairs: dict[str, list[dict]] = {v: [] for v in FLOOR_VARIANTS}
     order = []

@@ -6,11 +6,11 @@ PY := $(VENV)/bin/python
 
 install: $(VENV)/.installed
 
-# torch is installed first and pinned: the CPU wheel of this exact version is what the project is
-# tested with, and an unpinned torch would pull a multi-GB CUDA build.
+# torch and torchvision are installed first, pinned together (pyproject.toml says why): PyPI's build of
+# torch 2.14.1 is a CUDA 13.0 build that also runs on CPUs, so CI and GPU nodes run the same wheels.
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 

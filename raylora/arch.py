@@ -1,8 +1,10 @@
 """Which modules of a vision-language model are its language model, vision tower and aligner.
 
 One entry per `config.model_type`. Prefixes are parameter-name prefixes of the model as
-`AutoModelForImageTextToText` builds it in transformers 5. Where the aligner sits inside the vision
-tower (Qwen2-VL's merger), the aligner wins: a parameter belongs to the longest matching prefix.
+`AutoModelForImageTextToText` builds it in transformers 5; a part may span several prefixes (Qwen3-VL's
+aligner is its merger and its DeepStack mergers). Where the aligner sits inside the vision tower
+(Qwen2-VL's merger), the aligner wins: a parameter belongs to the longest matching prefix. A parameter
+under no prefix (lm_head, Gemma 4's audio tower) is neither part: frozen, never trained.
 Entries marked `tested=False` have no tiny model that trains here (see each entry's comment); their
 prefixes are taken from the model code but no raylora test has trained one.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,21 +25,33 @@ from raylora.config import ConfigError, ModelConfig
 log = logging.getLogger("raylora")
 
 
+PARTS = ("language_model", "vision_tower", "aligner")
+
+
+def prefixes(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """One part's prefixes as a tuple: a registry entry or the config may name one prefix or several."""
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 @dataclass(frozen=True)
 class Architecture:
     model_type: str
-    language_model: str
-    vision_tower: str
-    aligner: str
+    language_model: tuple[str, ...]
+    vision_tower: tuple[str, ...]
+    aligner: tuple[str, ...]
     tested: bool = True  # a tiny model of it trains on 2 workers under ZeRO-3 in tests/test_architectures.py
+
+    def __post_init__(self) -> None:
+        for part in PARTS:  # a single prefix may be given as a string
+            object.__setattr__(self, part, prefixes(getattr(self, part)))
 
     def part_of(self, name: str) -> str | None:
         """`language_model`, `vision_tower`, `aligner` or None (e.g. lm_head) for a base parameter name."""
         best, best_len = None, -1
-        for part in ("language_model", "vision_tower", "aligner"):
-            prefix = getattr(self, part) + "."
-            if name.startswith(prefix) and len(prefix) > best_len:
-                best, best_len = part, len(prefix)
+        for part in PARTS:
+            for prefix in getattr(self, part):
+                if name.startswith(prefix + ".") and len(prefix) > best_len:
+                    best, best_len = part, len(prefix)
         return best
 
 
@@ -46,6 +61,16 @@ REGISTRY: dict[str, Architecture] = {
         Architecture("llava", "model.language_model", "model.vision_tower", "model.multi_modal_projector"),
         Architecture("qwen2_vl", "model.language_model", "model.visual", "model.visual.merger"),
         Architecture("qwen2_5_vl", "model.language_model", "model.visual", "model.visual.merger"),
+        # Qwen3-VL: the vision tower's final merger and its DeepStack mergers (which feed features of early
+        # vision blocks into the first decoder layers) all map vision features into the language model's
+        # width: the aligner. The rest of `model.visual` (patch embedding, position embedding, blocks) is
+        # the vision tower.
+        Architecture(
+            "qwen3_vl",
+            "model.language_model",
+            "model.visual",
+            ("model.visual.merger", "model.visual.deepstack_merger_list"),
+        ),
         # Idefics3 and SmolVLM (model_type idefics3): SigLIP vision model, pixel-shuffle connector
         Architecture("idefics3", "model.text_model", "model.vision_model", "model.connector"),
         Architecture("gemma3", "model.language_model", "model.vision_tower", "model.multi_modal_projector"),
@@ -69,7 +94,8 @@ REGISTRY: dict[str, Architecture] = {
 def for_model(model_path: str | Path, model: ModelConfig) -> Architecture:
     """`detect` with what the config says of the model (model.arch, its prefixes, trust_remote_code)."""
     parts = (model.language_model, model.vision_tower, model.aligner)
-    return detect(model_path, model.arch, parts if all(parts) else None, model.trust_remote_code)
+    named = tuple(prefixes(p) for p in parts) if all(parts) else None  # hashable, for detect's cache
+    return detect(model_path, model.arch, named, model.trust_remote_code)
 
 
 def remote_code(model_path: str | Path) -> dict[str, str]:
@@ -95,7 +121,7 @@ def auto_model_class(auto_map: dict[str, str]):
 def detect(
     model_path: str | Path,
     arch: str | None = None,
-    parts: tuple[str, str, str] | None = None,
+    parts: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None,
     trust_remote_code: bool = False,
 ) -> Architecture:
     """The registry entry named by `arch`, or by the folder's config.json `model_type`; for a model_type
@@ -132,12 +158,12 @@ def detect(
 
 def lora_target_regex(model: nn.Module, arch: Architecture, names: list[str] | None) -> str:
     """A PEFT `target_modules` regex: the named (default: every) linear layer of the language model only."""
-    prefix = arch.language_model + "."
+    under = tuple(p + "." for p in arch.language_model)
     leaves = sorted(
         {
             n.rsplit(".", 1)[-1]
             for n, m in model.named_modules()
-            if n.startswith(prefix) and isinstance(m, nn.Linear)
+            if n.startswith(under) and isinstance(m, nn.Linear)
         }
     )
     if names:
@@ -149,5 +175,6 @@ def lora_target_regex(model: nn.Module, arch: Architecture, names: list[str] | N
             )
         leaves = sorted(set(names))
     if not leaves:
-        raise ConfigError(f"no linear layers found under {arch.language_model}")
-    return rf"^{prefix.replace('.', chr(92) + '.')}(.*\.)?({'|'.join(leaves)})$"
+        raise ConfigError(f"no linear layers found under {', '.join(arch.language_model)}")
+    escaped = "|".join(re.escape(p) for p in arch.language_model)
+    return rf"^({escaped})\.(.*\.)?({'|'.join(leaves)})$"

@@ -46,13 +46,17 @@ class ModelConfig:
     """Load a model folder that carries its own modeling code (`auto_map` in config.json, e.g.
     Phi-3-vision) through transformers' remote-code path, from the folder or Hub cache: that code runs on
     every node. Off: such a folder is refused before Ray starts."""
-    language_model: str | None = None
-    """Parameter-name prefix of the language model (where LoRA goes), for an architecture raylora has no
-    entry for (`raylora.arch`); with model.vision_tower and model.aligner. Unset: the registry's."""
-    vision_tower: str | None = None
-    """Parameter-name prefix of the vision tower, for an architecture raylora has no entry for."""
-    aligner: str | None = None
-    """Parameter-name prefix of the aligner (projector), for an architecture raylora has no entry for."""
+    language_model: str | list[str] | None = None
+    """Parameter-name prefix (or list of prefixes) of the language model (where LoRA goes), for an
+    architecture raylora has no entry for (`raylora.arch`); with model.vision_tower and model.aligner.
+    Unset: the registry's."""
+    vision_tower: str | list[str] | None = None
+    """Parameter-name prefix (or list of prefixes) of the vision tower, for an architecture raylora has no
+    entry for."""
+    aligner: str | list[str] | None = None
+    """Parameter-name prefix (or list of prefixes, e.g. [model.visual.merger,
+    model.visual.deepstack_merger_list]) of the aligner (projector), for an architecture raylora has no
+    entry for; where it sits inside the vision tower, the aligner's prefixes win."""
 
 
 @dataclass

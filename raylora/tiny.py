@@ -4,9 +4,11 @@ Each builder returns the config and the processor of a real model family, shrunk
 by default): a word-level tokenizer over the demo's words, and an image processor that upscales the
 8x8 digits to 16x16 pixels, 4x4 patches, 4 image tokens (16 for Llava, which does not merge patches;
 Pixtral keeps the 8x8 size, with 2 px patches). Tokenizer and chat templates: raylora.tiny_text.
-Processors whose transformers class wants a video processor (which needs torchvision) are built
-through `image_only_processor_class`. Imports are lazy so that the CLI can list the architectures
-without importing transformers.
+Processors are built as the Hub's folders hold them: with torchvision installed (raylora's own
+runtime), the Qwen families' torchvision image processor and their video processor; on a node without
+torchvision, the PIL image processor and no video part (`image_only_processor_class`), the fallback
+raylora loads such folders with. Imports are lazy so that the CLI can list the architectures without
+importing transformers.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from raylora.tiny_text import (
     MISTRAL3_CHAT_TEMPLATE,
     MISTRAL3_TOKENS,
     QWEN2_VL_CHAT_TEMPLATE,
+    QWEN3_VL_CHAT_TEMPLATE,
     SMOLVLM_CHAT_TEMPLATE,
     build_tokenizer,
 )
@@ -81,13 +84,32 @@ def _qwen_vl_tokens(tokenizer) -> dict:
     )
 
 
-def _qwen_vl_image_processor():
-    from transformers import Qwen2VLImageProcessorPil
+def _qwen_vl_processor(processor_cls, video_processor_cls, tokenizer, chat_template: str):
+    """A Qwen-VL family processor: every digit becomes a 16x16 image, 4x4 patches, 2x2 tokens after
+    merging; a video frame the same size. With torchvision, transformers' own image (torchvision) and
+    video processors; without it, the PIL image processor and no video part."""
+    from transformers.utils import is_torchvision_available
 
-    # every digit becomes a 16x16 image: 4x4 patches, 2x2 tokens after merging
+    from raylora.data.processor import image_only_processor_class
+
     pixels = IMAGE_SIZE * IMAGE_SIZE
-    return Qwen2VLImageProcessorPil(
-        patch_size=PATCH_SIZE, merge_size=2, temporal_patch_size=2, min_pixels=pixels, max_pixels=pixels
+    shape = dict(patch_size=PATCH_SIZE, merge_size=2, temporal_patch_size=2)
+    if not is_torchvision_available():
+        from transformers import Qwen2VLImageProcessorPil
+
+        return image_only_processor_class(processor_cls)(
+            image_processor=Qwen2VLImageProcessorPil(**shape, min_pixels=pixels, max_pixels=pixels),
+            tokenizer=tokenizer,
+            chat_template=chat_template,
+        )
+    from transformers import Qwen2VLImageProcessor
+
+    return processor_cls(
+        image_processor=Qwen2VLImageProcessor(**shape, min_pixels=pixels, max_pixels=pixels),
+        # a video's pixel budget covers all its frames: 16x16 a frame for up to 8 frames
+        video_processor=video_processor_cls(**shape, min_pixels=pixels, max_pixels=8 * pixels),
+        tokenizer=tokenizer,
+        chat_template=chat_template,
     )
 
 
@@ -118,28 +140,52 @@ def _llava(width: int, layers: int):
     return config, processor
 
 
-def _qwen_vl(config_cls, processor_cls, vision_config: dict):
-    """Qwen2-VL and Qwen2.5-VL: M-RoPE text model, a patch-merging vision tower, image-only processor."""
-    from raylora.data.processor import image_only_processor_class
+def _qwen_vl(config_cls, processor_cls, vision_config: dict, text: dict | None = None):
+    """Qwen2-VL, Qwen2.5-VL and Qwen3-VL: M-RoPE text model, a patch-merging vision tower."""
+    from transformers import Qwen2VLVideoProcessor
 
     tokenizer = build_tokenizer()
     config = config_cls(
-        text_config=_mrope_text_config(tokenizer, vision_config["hidden_size"], vision_config["depth"]),
+        text_config=_mrope_text_config(tokenizer, vision_config["hidden_size"], vision_config["depth"])
+        | (text or {}),
         vision_config=dict(num_heads=4, patch_size=PATCH_SIZE, spatial_merge_size=2, temporal_patch_size=2)
         | vision_config,
         tie_word_embeddings=False,
         **_qwen_vl_tokens(tokenizer),
     )
-    processor = image_only_processor_class(processor_cls)(
-        image_processor=_qwen_vl_image_processor(), tokenizer=tokenizer, chat_template=QWEN2_VL_CHAT_TEMPLATE
-    )
-    return config, processor
+    video_processor_cls = Qwen2VLVideoProcessor
+    template = QWEN2_VL_CHAT_TEMPLATE
+    if config_cls.model_type == "qwen3_vl":
+        from transformers import Qwen3VLVideoProcessor
+
+        video_processor_cls, template = Qwen3VLVideoProcessor, QWEN3_VL_CHAT_TEMPLATE
+    return config, _qwen_vl_processor(processor_cls, video_processor_cls, tokenizer, template)
 
 
 def _qwen2_vl(width: int, layers: int):
     from transformers import Qwen2VLConfig, Qwen2VLProcessor
 
     return _qwen_vl(Qwen2VLConfig, Qwen2VLProcessor, dict(depth=layers, embed_dim=width, hidden_size=width))
+
+
+def _qwen3_vl(width: int, layers: int):
+    """Qwen3-VL (dense): Qwen3 decoder layers (q/k norms, explicit head_dim), interleaved M-RoPE, a vision
+    tower with learned position embeddings and DeepStack mergers after each of its blocks."""
+    from transformers import Qwen3VLConfig, Qwen3VLProcessor
+
+    head_dim = width // 4
+    vision = dict(
+        depth=layers,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        out_hidden_size=width,
+        num_position_embeddings=(IMAGE_SIZE // PATCH_SIZE) ** 2,
+        deepstack_visual_indexes=list(range(layers)),
+    )
+    text = dict(head_dim=head_dim)
+    config, processor = _qwen_vl(Qwen3VLConfig, Qwen3VLProcessor, vision, text)
+    config.text_config.rope_parameters["mrope_interleaved"] = True
+    return config, processor
 
 
 def _qwen2_5_vl(width: int, layers: int):
@@ -290,6 +336,7 @@ BUILDERS = {
     "llava": _llava,
     "qwen2_vl": _qwen2_vl,
     "qwen2_5_vl": _qwen2_5_vl,
+    "qwen3_vl": _qwen3_vl,
     "idefics3": _idefics3,
     "gemma3": _gemma3,
     "internvl": _internvl,

@@ -29,6 +29,15 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+QWEN3_VL_CHAT_TEMPLATE = (  # Qwen3-VL Instruct: no default system prompt; images and videos as parts
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SMOLVLM_CHAT_TEMPLATE = (  # Idefics3 / SmolVLM: "User:<image>...<end_of_utterance>\nAssistant:"
     "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
     "{% if message['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"

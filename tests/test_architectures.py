@@ -27,7 +27,7 @@ from tests.test_batches import ANSWERS, END_OF_TURN, SAMPLES
 
 PARTS = ("language_model", "vision_tower", "aligner")
 # llava and qwen2_vl go through tests/test_resume.py
-NEWER_ARCHS = ["qwen2_5_vl", "idefics3", "gemma3", "internvl", "mistral3"]
+NEWER_ARCHS = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "internvl", "mistral3"]
 
 
 def test_tested_architectures_are_the_tiny_ones():
@@ -39,9 +39,11 @@ def _check_prefixes(model: torch.nn.Module, arch: Architecture) -> None:
     """Each part's prefix names parameters of that part; LoRA targets lie under the language model only."""
     names = [n for n, _ in model.named_parameters()]
     for part in PARTS:
-        prefix = getattr(arch, part) + "."
-        assert any(n.startswith(prefix) for n in names), f"{part} prefix {prefix} matches no parameter"
-        assert any(arch.part_of(n) == part for n in names), f"no parameter belongs to {part}"
+        for prefix in getattr(arch, part):
+            assert any(n.startswith(prefix + ".") for n in names), f"{part} prefix {prefix} matches nothing"
+            assert any(n.startswith(prefix + ".") and arch.part_of(n) == part for n in names), (
+                f"{prefix} is shadowed by another part's prefix"
+            )
     regex = re.compile(lora_target_regex(model, arch, None))
     targets = [n for n, _ in model.named_modules() if regex.match(n)]
     assert targets, "no LoRA targets"

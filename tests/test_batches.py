@@ -28,6 +28,7 @@ END_OF_TURN = {
     "llava": "</s>",
     "qwen2_vl": "<|im_end|>",
     "qwen2_5_vl": "<|im_end|>",
+    "qwen3_vl": "<|im_end|>",
     "idefics3": "<end_of_utterance>",
     "gemma3": "<end_of_turn>",
     "internvl": "<|im_end|>",

@@ -157,6 +157,7 @@ def test_setup_downloads_pinned_models_or_fails():
 def test_torch_is_the_cuda_build_of_the_image_it_names():
     raw, image = _raw(), _image()
     pin = re.search(r'"torch==([^"]+)"', (ROOT / "pyproject.toml").read_text())[1]
+    vision_pin = re.search(r'"torchvision==([^"]+)"', (ROOT / "pyproject.toml").read_text())[1]
     commands = raw["setup_commands"]
     torch_installs = [c for c in commands if "pip install" in c and re.search(r"\btorch\b", c)]
     assert len(torch_installs) == 1, torch_installs
@@ -164,6 +165,8 @@ def test_torch_is_the_cuda_build_of_the_image_it_names():
     major, minor = image["cuda"]
     # exactly raylora's version, from PyTorch's index for the image's CUDA: never PyPI's default build
     assert re.search(rf"\btorch=={re.escape(pin)}(\s|$)", install), install
+    # torchvision from the same index: its C++ ops load only beside the torch build they were made for
+    assert re.search(rf"\btorchvision=={re.escape(vision_pin)}(\s|$)", install), install
     assert f"--index-url https://download.pytorch.org/whl/cu{major}{minor}" in install, install
     # before raylora's own install, which would otherwise take torch from PyPI
     assert commands.index(install) < commands.index(_one(commands, "pip install -q -e ~/raylora"))
@@ -422,6 +425,9 @@ def test_kuberay_image_is_rays_own_at_raylora_ray_version():
     images = {c["image"] for g in groups for c in _containers(g)}
     assert len(images) == 1  # one image: the driver and the workers unpickle the same code
     torch_pin = re.search(r'"torch==([^"]+)"', (ROOT / "pyproject.toml").read_text())[1]
+    vision_pin = re.search(r'"torchvision==([^"]+)"', (ROOT / "pyproject.toml").read_text())[1]
     assert re.search(
-        rf"torch=={re.escape(torch_pin)} --index-url https://download\.pytorch\.org/whl/cu\d+", text
+        rf"torch=={re.escape(torch_pin)} torchvision=={re.escape(vision_pin)} \\\n#\s+"
+        rf"--index-url https://download\.pytorch\.org/whl/cu\d+",
+        text,
     )

@@ -245,12 +245,22 @@ def hub_folder(tiny: Path, out: Path, arch: str, template: str, tokenizer_files:
     return out
 
 
+@pytest.fixture(scope="module")
+def image_only_folder(tiny_folders, tmp_path_factory) -> Path:
+    """The tiny Qwen2-VL folder as a node without torchvision saves it (and raylora saved its tiny models
+    before it required torchvision): processor_config.json holds the image processor only."""
+    folder = shutil.copytree(tiny_folders["qwen2_vl"], tmp_path_factory.mktemp("image-only") / "qwen2_vl")
+    saved = json.loads((folder / "processor_config.json").read_text())
+    _write_json(folder / "processor_config.json", {k: v for k, v in saved.items() if k != "video_processor"})
+    return folder
+
+
 @pytest.fixture(params=["without torchvision", "with torchvision"])
 def torchvision(request, monkeypatch) -> bool:
-    """Whether the processor is loaded with torchvision: "without" is a CPU node (torchvision missing, or
-    ignored where installed); "with" runs only where torchvision imports (GPU nodes with CUDA torch)."""
+    """Whether the processor is loaded with torchvision: "with" is raylora's own runtime (torch and
+    torchvision pinned together); "without" a node where it is missing, hidden here from the loader."""
     if request.param == "with torchvision":
-        pytest.importorskip("torchvision", reason="torchvision is not installed (CPU torch): image-only")
+        pytest.importorskip("torchvision", reason="torchvision is not installed")
         return True
     monkeypatch.setattr(processor_module, "is_torchvision_available", lambda: False)
     return False
@@ -265,6 +275,8 @@ def test_hub_layout_loads(tiny_folders, tmp_path, torchvision, arch, template, t
     assert type(processor).__name__ == PROCESSOR_CLASS[arch]
     if not torchvision:  # the image-only form: no video processor, which would need torchvision
         assert getattr(processor, "video_processor", None) is None
+    elif arch != "llava":  # the folder's video processor, as transformers loads it
+        assert type(processor.video_processor).__name__ == "Qwen2VLVideoProcessor"
 
     messages = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
@@ -293,12 +305,11 @@ def test_hub_layout_loads(tiny_folders, tmp_path, torchvision, arch, template, t
             assert tokenizer.tokenize(token) == [token]
 
 
-def test_a_folder_saved_image_only_loads_with_and_without_torchvision(tiny_folders, torchvision):
-    """raylora's own tiny Qwen2-VL folder is saved from the image-only processor, so its
-    processor_config.json holds no video processor. Where torchvision is installed (GPU nodes), transformers'
-    AutoProcessor failed on it ("Can't load video processor", seen on a GPU node by make gpu-check, in the
-    demo's model as in the tests'): it loads in its image-only form there too."""
-    processor = processor_module.load_processor(tiny_folders["qwen2_vl"])
+def test_a_folder_saved_image_only_loads_with_and_without_torchvision(image_only_folder, torchvision):
+    """A Qwen2-VL folder saved from the image-only processor holds no video processor in its
+    processor_config.json. Where torchvision is installed, transformers' AutoProcessor fails on it ("Can't
+    load video processor"): it loads in its image-only form there too."""
+    processor = processor_module.load_processor(image_only_folder)
     assert type(processor).__name__ == "Qwen2VLProcessor"
     assert getattr(processor, "video_processor", None) is None
     image = Image.fromarray(np.zeros((8, 8, 3), dtype=np.uint8))
@@ -308,12 +319,13 @@ def test_a_folder_saved_image_only_loads_with_and_without_torchvision(tiny_folde
     assert batch["image_grid_thw"].tolist() == [[1, 4, 4]]
 
 
-def test_which_folders_load_image_only(tiny_folders, tmp_path):
+def test_which_folders_load_image_only(tiny_folders, image_only_folder, tmp_path):
     """Image-only where torchvision is missing, or where the folder holds nothing a video processor is
     read from (video_preprocessor_config.json, preprocessor_config.json, which transformers reads for it,
     or a `video_processor` in processor_config.json); a processor without a video part never."""
     image_only = processor_module.image_only
-    tiny = tiny_folders["qwen2_vl"]
+    assert not image_only(tiny_folders["qwen2_vl"], "Qwen2VLProcessor", torchvision=True)  # saved whole
+    tiny = image_only_folder
     assert image_only(tiny, "Qwen2VLProcessor", torchvision=False)
     assert image_only(tiny, "Qwen2VLProcessor", torchvision=True)
     saved = json.loads((tiny / "processor_config.json").read_text())

@@ -22,6 +22,7 @@ from tests.support import labelled_runs
 FAMILIES = {
     "llava": (lambda: rt.sentencepiece_llama(("<image>",)), rt.LLAVA_15_TEMPLATE, "</s>", True),
     "qwen2_vl": (rt.byte_level_qwen, rt.QWEN2_VL_TEMPLATE, "<|im_end|>", False),
+    "qwen3_vl": (rt.byte_level_qwen, rt.QWEN3_VL_TEMPLATE, "<|im_end|>", False),
     "idefics3": (
         lambda: rt.byte_level_smolvlm((*IDEFICS3_TOKENS[:2], "<image>")),
         rt.IDEFICS3_TEMPLATE,
@@ -110,7 +111,7 @@ def test_sentencepiece_answer_tokens_are_the_ones_inference_continues_into(proce
     assert answer == ["▁seven"]  # a piece tokenised alone would be ['▁', '▁seven']
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen3_vl"])
 def test_generation_prompt_is_the_training_prefix(arch, processors):
     """The prompt generation starts from is token for token what training put before the last answer."""
     processor = processors[arch]

@@ -77,10 +77,10 @@ def _write_chat_jsonl(folder, digits, rows: int, kinds: dict[int, str], image_to
 
 def test_a_source_with_a_video_row_is_refused_however_few(tiny_models, digits, tmp_path):
     """One video row in 40 is under data.max_bad_fraction, but it would be skipped at every step and
-    never trained: the preflight refuses it, saying why (the video processor needs torchvision)."""
+    never trained: the preflight refuses it, saying why (raylora does not decode video frames)."""
     data = _write_chat_jsonl(tmp_path, digits, 40, {7: "video"})
     cfg = _cfg(tiny_models("qwen2_vl"), data, tmp_path, "data.max_bad_fraction=0.5")
-    with pytest.raises(ConfigError, match=r"row 7: a video row: raylora trains on images only.*torchvision"):
+    with pytest.raises(ConfigError, match=r"row 7: a video row: raylora trains on images only.*video frames"):
         preflight(cfg)
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from raylora import checkpoint
-from raylora.arch import REGISTRY, detect, lora_target_regex
+from raylora import checkpoint, config
+from raylora.arch import REGISTRY, detect, for_model, lora_target_regex
 from raylora.config import ConfigError
 from raylora.data.batches import make_batch, read
 from raylora.data.formats import open_rows
@@ -24,6 +24,35 @@ def test_qwen2_vl_aligner_inside_vision_tower():
     assert arch.part_of("model.visual.blocks.0.attn.qkv.weight") == "vision_tower"
     assert arch.part_of("model.language_model.layers.0.mlp.up_proj.weight") == "language_model"
     assert arch.part_of("lm_head.weight") is None
+
+
+def test_qwen3_vl_aligner_is_the_merger_and_the_deepstack_mergers(tiny_models):
+    """A part spans several prefixes: Qwen3-VL's DeepStack mergers are aligner, not vision tower, so
+    `train.freeze_vision: true` with a trained aligner trains all of them. Named in the config as a list
+    for a model the registry does not know, they give the same parts."""
+    arch = REGISTRY["qwen3_vl"]
+    assert arch.part_of("model.visual.merger.linear_fc1.weight") == "aligner"
+    assert arch.part_of("model.visual.deepstack_merger_list.1.norm.weight") == "aligner"
+    assert arch.part_of("model.visual.blocks.0.attn.qkv.weight") == "vision_tower"
+    assert arch.part_of("model.visual.pos_embed.weight") == "vision_tower"
+    named = config.load(
+        None,
+        [
+            f"model.path={tiny_models('qwen3_vl')}",
+            "data.train=t.parquet",
+            "model.arch=my_qwen3_vl",
+            "model.language_model=model.language_model",
+            "model.vision_tower=model.visual",
+            "model.aligner=[model.visual.merger,model.visual.deepstack_merger_list]",
+        ],
+    )
+    custom = for_model(named.model.path, named.model)
+    assert (custom.model_type, custom.tested) == ("my_qwen3_vl", False)
+    assert (custom.language_model, custom.vision_tower, custom.aligner) == (
+        arch.language_model,
+        arch.vision_tower,
+        arch.aligner,
+    )
 
 
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])

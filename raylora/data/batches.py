@@ -16,8 +16,7 @@ from raylora.data.labels import IGNORE_INDEX, Decoded, Row, encode
 
 # Why a row with videos is not trained (the driver refuses a source with video rows before Ray starts).
 NO_VIDEO = (
-    "a video row: raylora trains on images only. The Qwen2-VL family's video processor needs torchvision, "
-    "and the registry's torchvision (a CUDA build) does not import beside the CPU torch raylora pins; a "
+    "a video row: raylora trains on images only for now (it does not decode video frames yet); a "
     "<video> tag is never trained on as text, so the row is not used"
 )
 

@@ -1,22 +1,17 @@
 """Loading a model folder's processor: image size caps (`cap_image_size`: data.max_pixels,
-data.min_pixels), folders laid out as the Hub lays them out, and an image-only fallback for machines
+data.min_pixels), folders laid out as the Hub lays them out, and an image-only fallback for nodes
 without torchvision.
 
 The processor class is found where transformers 5.23's `AutoProcessor` looks for it
 (`processor_class_name`): the Hub's Qwen2-VL and Qwen2.5-VL folders have no `processor_config.json` and
-name it in `preprocessor_config.json`. In transformers 5 the Qwen2-VL family's processors require a
-video processor, and video processors require torchvision. raylora trains on images only, so where
-torchvision is missing it builds the same processor class without its video part; a
+name it in `preprocessor_config.json`. raylora depends on torchvision (pinned with torch), and with it a
+folder's processor loads whole, as `AutoProcessor` loads it: the Qwen families' torchvision image
+processors and their video processors. In transformers 5 the Qwen-VL families' processors require a video
+processor, and video processors require torchvision; on a node where torchvision is missing (an image
+without it), raylora builds the same processor class without its video part, and a
 `video_preprocessor_config.json` in the folder is then left unread. Pixtral's processor (Mistral3) needs
 torchvision only for one import, which `pixtral_processor_class` answers from transformers' PIL image
-processor. The folder on disk stays a standard one that `AutoProcessor` loads elsewhere.
-
-Why not depend on torchvision: the only builds the package index offers (0.28.0 for torch==2.13.0, no
-`+cpu` build) are CUDA builds (a 7.7 MB wheel bundling libcudart.so.13 and libnvjpeg.so.13) whose
-`_C.so` links against `libtorch_cuda.so` and `libc10_cuda.so`. Beside the CPU torch wheel pip installs it
-without complaint (2.13.0+cpu satisfies torch==2.13.0), then `import torchvision` raises "operator
-torchvision::nms does not exist", and transformers, which sees the package installed, fails to import
-`AutoProcessor` at all. GPU nodes with CUDA torch get a working torchvision and the full processor.
+processor there. The folder on disk stays a standard one that `AutoProcessor` loads elsewhere.
 """
 
 from __future__ import annotations

@@ -349,10 +349,11 @@ def read_params(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor
     return out
 
 
-def train_and_save(cfg, steps: int, out: str | Path) -> list[dict[str, float]]:
+def train_and_save(cfg, steps: int, out: str | Path, keep: bool = False) -> list:
     """On each Ray Train worker: raylora's training path without its loop (`worker.setup`, `steps` x
     `worker.train_step`, `worker.save_checkpoint`), the checkpoint moved to `out` by rank 0; returns the
-    steps' metrics. Several of these in one `on_workers` function start one worker group, not one each."""
+    steps' metrics (and, with `keep`, the worker's `Setup` after them, to train on). Several of these in
+    one `on_workers` function start one worker group, not one each."""
     import shutil
 
     import torch.distributed as dist
@@ -365,7 +366,38 @@ def train_and_save(cfg, steps: int, out: str | Path) -> list[dict[str, float]]:
     if s.rank == 0:
         shutil.move(ckpt.path, out)
     dist.barrier()  # the other ranks read `out` next
-    return metrics
+    return [*metrics, s] if keep else metrics
+
+
+def resume_probe(cfg, steps: int, folder: str | Path) -> dict:
+    """On each Ray Train worker: train `steps` steps, save the checkpoint to `folder` (rank 0 moves it
+    there), train one step more; then build a fresh engine restored from `folder` and train that step
+    again. Rank 0 returns each step's metrics and whether the resumed step's loss, fp32 masters and Adam
+    moments equal the uninterrupted ones bit for bit (what a killed and restarted worker resumes from)."""
+    import torch
+
+    from raylora import checkpoint, zero
+    from raylora.worker import setup, train_step
+
+    metrics = train_and_save(cfg, steps, folder, keep=True)
+    s = metrics.pop()
+    straight = train_step(s)
+    masters, moments = zero.gather_trainable_state(s.engine, s.params)
+    s.engine.destroy()
+    del s
+    resumed_setup = setup(cfg, checkpoint.load(folder))
+    resumed = train_step(resumed_setup)
+    got_masters, got_moments = zero.gather_trainable_state(resumed_setup.engine, resumed_setup.params)
+    if resumed_setup.rank != 0:
+        return {}
+    return {
+        "metrics": [*metrics, straight],
+        "resumed": resumed,
+        "masters_equal": masters.keys() == got_masters.keys()
+        and all(torch.equal(v, got_masters[n]) for n, v in masters.items()),
+        "moments_equal": moments.keys() == got_moments.keys()
+        and all(torch.equal(v, got_moments[n]) for n, v in moments.items()),
+    }
 
 
 def restore_probe(cfg, folder: str | Path, examples: list | None = None) -> dict:

@@ -22,7 +22,7 @@ from raylora.assets import TINY_ARCHS
 from raylora.data.batches import make_batch
 from raylora.data.labels import IGNORE_INDEX
 from raylora.data.processor import load_processor
-from tests.support import restore_probe, tiny_run_config, train_and_save
+from tests.support import restore_probe, resume_probe, tiny_run_config
 from tests.test_batches import ANSWERS, END_OF_TURN, SAMPLES
 
 PARTS = ("language_model", "vision_tower", "aligner")
@@ -93,10 +93,12 @@ def test_batch_feeds_forward_and_every_part_learns(arch, tiny_models):
 
 @pytest.fixture(scope="module")
 def round_trips(ray_cluster, probes, tiny_models, digits, tmp_path_factory):
-    """Each newer architecture trained 2 steps and its step-2 checkpoint restored, one after the other on
-    one group of 2 workers (a worker group's start is most of a tiny run's time)."""
+    """Each newer architecture trained 2 steps, its step-2 checkpoint restored into a fresh engine, and
+    step 3 trained from there as from the uninterrupted run, one after the other on one group of 2
+    workers (a worker group's start is most of a tiny run's time). A real kill and restart goes through
+    the same restore (tests/test_resume.py, tests/test_faults.py)."""
     storage = tmp_path_factory.mktemp("round-trips")
-    overrides = ["train.max_steps=2", "train.checkpoint_every=2"]
+    overrides = ["train.max_steps=3", "train.checkpoint_every=2"]
     runs = [
         (
             arch,
@@ -109,7 +111,7 @@ def round_trips(ray_cluster, probes, tiny_models, digits, tmp_path_factory):
 
     def each():
         return {
-            arch: (train_and_save(cfg, 2, folder), restore_probe(probe, folder))
+            arch: (resume_probe(cfg, 2, folder), restore_probe(probe, folder))
             for arch, cfg, probe, folder in runs
         }
 
@@ -120,9 +122,13 @@ def round_trips(ray_cluster, probes, tiny_models, digits, tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", NEWER_ARCHS)
-def test_zero3_two_steps_then_restore_equals_checkpoint(arch, round_trips):
-    metrics, probe, folder = round_trips[arch]
-    assert [m["step"] for m in metrics] == [1, 2] and all(math.isfinite(m["loss"]) for m in metrics)
+def test_zero3_two_steps_then_restore_equals_checkpoint_and_resumes_bitwise(arch, round_trips):
+    resumed, probe, folder = round_trips[arch]
+    metrics = resumed["metrics"]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and all(math.isfinite(m["loss"]) for m in metrics)
+    # step 3 from the restored engine is step 3 of the uninterrupted run, bit for bit
+    assert resumed["resumed"]["step"] == 3 and resumed["resumed"]["loss"] == metrics[2]["loss"]
+    assert resumed["masters_equal"] and resumed["moments_equal"]
     loaded = checkpoint.load(folder)
     assert loaded.state.step == 2
     entry = REGISTRY[arch]

@@ -29,7 +29,7 @@ from raylora.data.labels import IGNORE_INDEX, Row
 
 # Architectures whose packed pass equals their padded micro batch (loss and gradients within 1e-5 relative,
 # tests/test_packing.py); the driver refuses packing for any other before Ray starts, with `refusal`.
-VERIFIED = ("llava", "qwen2_vl", "qwen2_5_vl", "idefics3", "internvl", "mistral3")
+VERIFIED = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "internvl", "mistral3")
 # Gemma 3 lets an image's tokens attend to each other both ways: transformers (5.23) ORs those image blocks
 # into the mask after the packed-sequence boundaries, so in a packed row an image sample's tokens and the
 # samples after it see other samples (the tiny model's logits move by 0.3-0.5).

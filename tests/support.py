@@ -382,14 +382,15 @@ def resume_probe(cfg, steps: int, folder: str | Path) -> dict:
     metrics = train_and_save(cfg, steps, folder, keep=True)
     s = metrics.pop()
     straight = train_step(s)
-    masters, moments = zero.gather_trainable_state(s.engine, s.params)
+    uninterrupted = zero.gather_trainable_state(s.engine, s.params)  # on rank 0, None elsewhere
     s.engine.destroy()
     del s
     resumed_setup = setup(cfg, checkpoint.load(folder))
     resumed = train_step(resumed_setup)
-    got_masters, got_moments = zero.gather_trainable_state(resumed_setup.engine, resumed_setup.params)
+    again = zero.gather_trainable_state(resumed_setup.engine, resumed_setup.params)
     if resumed_setup.rank != 0:
         return {}
+    (masters, moments), (got_masters, got_moments) = uninterrupted, again
     return {
         "metrics": [*metrics, straight],
         "resumed": resumed,

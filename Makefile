@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-fast gpu-check lint format bench
+.PHONY: install demo test test-fast gpu-check gpu-bench gpu-session lint format bench
 
 install: $(VENV)/.installed
 
@@ -23,6 +23,16 @@ test: install
 # The GPU path on CUDA devices (NCCL, bf16, a kill and a resume): one line per check; skipped without CUDA.
 gpu-check: install
 	$(PY) -m pytest -v -rs -m gpu tests/test_gpu.py
+
+# One CUDA GPU, under 8 minutes: raylora's LoRA step against the HF Trainer's (PEFT, DeepSpeed ZeRO-3) on an
+# 8B-size Qwen3-VL, tokens per second and MFU, to bench/results/gpu_throughput.json.
+gpu-bench: install
+	$(PY) bench/gpu_throughput.py
+
+# A machine with a lent GPU, in one call: gpu-bench, then gpu-check, each under a time limit; no install
+# (such a machine reaches no package index): PY names a Python with raylora's pins (bench/gpu_session.sh).
+gpu-session:
+	bash bench/gpu_session.sh
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"

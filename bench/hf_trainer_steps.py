@@ -100,7 +100,18 @@ def trainer_rows(counted: list[tuple[int, int]]) -> list[int]:
 
 
 def _worker(rank: int, port: int, job: dict) -> None:
-    """One rank: the Trainer run, its step clock and peak memory written to job["out"]-RANK.json."""
+    """One rank: the Trainer run, its step clock and peak memory written to job["out"]-RANK.json. Taking
+    turns with raylora (job["turns"]), a failure anywhere tells the other side, which would otherwise wait
+    for its turn until its timeout."""
+    try:
+        _train(rank, port, job)
+    except BaseException:
+        if job.get("turns"):
+            Path(job["turns"]["path"]).write_text("failed")
+        raise
+
+
+def _train(rank: int, port: int, job: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
     import accelerate
@@ -148,7 +159,7 @@ def _worker(rank: int, port: int, job: dict) -> None:
         r=4, lora_alpha=8, lora_dropout=0.1, bias="none", target_modules=lora_target_regex(model, arch, None)
     )
     model = peft.get_peft_model(model, lora)
-    for prefix in (arch.vision_tower, arch.aligner):  # trained fully, as raylora trains them
+    for prefix in (*arch.vision_tower, *arch.aligner):  # trained fully, as raylora trains them
         model.get_submodule("base_model.model." + prefix).requires_grad_(True)
 
     processor = load_processor(job["model_dir"], job["max_pixels"])

@@ -1,11 +1,14 @@
-"""Trainable parameters and checkpoint bytes of the real 7B models, from their configs on the meta device.
+"""Trainable parameters and checkpoint bytes of the shipped jobs' models, from their configs (meta device).
 
-llava-1.5-7b (CLIP ViT-L/14-336 + Llama-2-7B + 2-layer MLP projector) and Qwen2-VL-7B-Instruct, built
-from config classes with no weights (`torch.device("meta")`), LoRA r=16 on every linear layer of the
-language model exactly as raylora's workers add it (`raylora.model.meta_model`, `mark_trained`), vision
-tower and aligner frozen, then trained. Then the memory per GPU of the shipped job configs (activations and
-ZeRO-3's shares as DeepSpeed 0.19 allocates them) and what keeping the frozen base resident
-(`train.param_persistence_threshold`) costs in memory and saves in all-gathers; and what packing
+llava-1.5-7b (CLIP ViT-L/14-336 + Llama-2-7B + 2-layer MLP projector), Qwen2-VL-7B-Instruct,
+Qwen3-VL-8B-Instruct and Qwen3-VL-30B-A3B-Instruct (a mixture of 128 experts in each of its 48 layers),
+built from config classes with no weights (`torch.device("meta")`), LoRA r=16 on every linear layer of the
+language model (and on the MoE's fused expert tensors, a rank-16 adapter per expert) exactly as raylora's
+workers add it (`raylora.model.meta_model`, `mark_trained`), vision tower and aligner frozen, then trained.
+Then the memory per GPU of the shipped job configs (activations, a MoE's router logits and the full-size
+expert W + dW that LoRA on its experts makes, and ZeRO-3's shares as DeepSpeed 0.19 allocates them) and
+what keeping the frozen base resident (`train.param_persistence_threshold`) costs in memory and saves in
+all-gathers; and what packing
 (train.packing) saves per step on bench/padding.py's length mixes, in FLOPs and passes. Bytes and FLOPs are
 computed, not measured; the assumptions are in the JSON.
 """
@@ -84,6 +87,86 @@ def qwen2_vl_7b():
     )
 
 
+# Qwen3-VL's vision tower, the same in the 8B and the 30B-A3B (their config.json, vision_config): its
+# output width is the language model's.
+QWEN3_VL_VISION = dict(
+    depth=27,
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_heads=16,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    in_channels=3,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24],
+)
+QWEN3_VL_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 5000000.0,
+    "mrope_section": [24, 20, 20],
+    "mrope_interleaved": True,
+}
+
+
+def qwen3_vl_8b():
+    """Qwen/Qwen3-VL-8B-Instruct's config.json (dense Qwen3 decoder layers, untied embeddings)."""
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config=dict(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=262144,
+            rope_parameters=QWEN3_VL_ROPE,
+        ),
+        vision_config=dict(QWEN3_VL_VISION, out_hidden_size=4096),
+        tie_word_embeddings=False,
+    )
+
+
+def qwen3_vl_30b_a3b():
+    """Qwen/Qwen3-VL-30B-A3B-Instruct's config.json: 48 decoder layers, every one a mixture of 128 experts
+    (8 per token) whose attention is 32 heads of 128 (4096 wide) over a 2048-wide residual stream."""
+    from transformers import Qwen3VLMoeConfig
+
+    return Qwen3VLMoeConfig(
+        text_config=dict(
+            hidden_size=2048,
+            intermediate_size=6144,  # unused: no dense MLP layer (mlp_only_layers is empty)
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            decoder_sparse_step=1,
+            num_hidden_layers=48,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=262144,
+            rope_parameters=QWEN3_VL_ROPE,
+            router_aux_loss_coef=0.001,
+        ),
+        vision_config=dict(QWEN3_VL_VISION, out_hidden_size=2048),
+        tie_word_embeddings=False,
+    )
+
+
+# name: (config builder, raylora architecture, lora.dropout). LoRA on fused experts (PEFT's
+# target_parameters) takes no dropout (raylora.moe.check_expert_lora).
+MODELS = {
+    "llava-1.5-7b": (llava_15_7b, "llava", 0.05),
+    "Qwen2-VL-7B-Instruct": (qwen2_vl_7b, "qwen2_vl", 0.05),
+    "Qwen3-VL-8B-Instruct": (qwen3_vl_8b, "qwen3_vl", 0.05),
+    "Qwen3-VL-30B-A3B-Instruct": (qwen3_vl_30b_a3b, "qwen3_vl_moe", 0.0),
+}
+
+
 def safetensors_header(shapes: dict[str, list[int]], bytes_per_value: int) -> int:
     """Bytes of a safetensors header for these tensors (8-byte length + JSON, padded to 8)."""
     entries, offset = {"__metadata__": {"format": "pt"}}, 0
@@ -97,7 +180,9 @@ def safetensors_header(shapes: dict[str, list[int]], bytes_per_value: int) -> in
     return 8 + len(text) + (-len(text)) % 8
 
 
-def count(model_config, arch_name: str, trained_vision: bool) -> dict:
+def count(model_config, arch_name: str, trained_vision: bool, lora_dropout: float = 0.05) -> dict:
+    """Parameters and checkpoint bytes of LoRA r=LORA_R as raylora adds it (on a mixture-of-experts model
+    also on the fused expert tensors, a rank-r adapter per expert: `lora_dropout` must then be 0)."""
     from raylora import config as cfgmod
     from raylora.arch import REGISTRY
     from raylora.checkpoint import adapter_key
@@ -106,7 +191,7 @@ def count(model_config, arch_name: str, trained_vision: bool) -> dict:
     arch = REGISTRY[arch_name]
     cfg = cfgmod.from_dict(
         {
-            "lora": {"r": LORA_R, "alpha": 2 * LORA_R},
+            "lora": {"r": LORA_R, "alpha": 2 * LORA_R, "dropout": lora_dropout},
             "train": {"freeze_vision": not trained_vision, "freeze_aligner": not trained_vision},
         }
     )
@@ -140,7 +225,10 @@ def count(model_config, arch_name: str, trained_vision: bool) -> dict:
         "trainable_tensors": len(trainable),
         "lora_tensors": len(lora),
         "trainable_fraction_of_base": n_trainable / base,
+        # PEFT's ParamWrapper: lora_A [r x experts, in], lora_B [out, r x experts] per fused expert tensor
+        "expert_lora_params": sum(_numel(s) for n, s in lora.items() if ".experts." in n),
         "raylora_checkpoint_bytes": raylora_bytes,
+        "raylora_checkpoint_gb": raylora_bytes / 1e9,
         "raylora_tensor_bytes_12_per_param": 12 * n_trainable,
         "raylora_headers_and_small_files_bytes": headers + small,
         "full_finetune_zero3_checkpoint_bytes": full_ft,
@@ -165,10 +253,17 @@ def _numel(shape) -> int:
 
 GB = 1e9
 CARDS_GB = (40, 80)
-JOBS = {"llava-1.5-7b": "llava-1.5-7b.yaml", "Qwen2-VL-7B-Instruct": "qwen2-vl-7b.yaml"}
+JOBS = {
+    "llava-1.5-7b": "llava-1.5-7b.yaml",
+    "Qwen2-VL-7B-Instruct": "qwen2-vl-7b.yaml",
+    "Qwen3-VL-8B-Instruct": "qwen3-vl-8b.yaml",
+    "Qwen3-VL-30B-A3B-Instruct": "qwen3-vl-30b-a3b.yaml",
+}
 ANSWER_TOKENS = 256  # assumed answer length per sample, for the logits raylora computes
 RUNTIME_OVERHEAD_GB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: not computed, allowed for
 QWEN2_VL_7B_MAX_PIXELS = 12845056  # Qwen2-VL-7B-Instruct's preprocessor_config.json: 16384 image tokens
+# Qwen3-VL's preprocessor_config.json (size.longest_edge, 4096 x 4096): 16384 image tokens of 32 x 32 pixels
+MODEL_MAX_PIXELS = {"qwen2_vl": QWEN2_VL_7B_MAX_PIXELS, "qwen3_vl": 16777216, "qwen3_vl_moe": 16777216}
 
 
 def decoder_layer_bytes(h: int, i: int, kv: int) -> dict:
@@ -193,6 +288,83 @@ def decoder_layer_bytes(h: int, i: int, kv: int) -> dict:
         "kv": kv,
         "terms": terms,
         "bytes": sum(terms.values()),
+    }
+
+
+def qwen3_layer_bytes(h: int, q: int, kv: int, dropout: bool, mlp: dict) -> dict:
+    """Activation bytes one Qwen3 decoder layer keeps per token for the backward pass, as
+    `decoder_layer_bytes` counts a Llama layer (bf16, frozen base, LoRA on every linear layer, fused
+    attention), with what Qwen3 adds: attention `q` wide (heads x head_dim, which need not be h) with
+    RMSNorms on q and k, and, in a mixture-of-experts layer, the router and each token's top-k experts.
+
+    `mlp`: {"i": intermediate} for a dense SwiGLU MLP, or {"experts": E, "top_k": k, "i": expert
+    intermediate} for a MoE block (transformers' grouped_mm experts: each routed copy of a token keeps its
+    gathered input for the expert weights' gradient, the gate_up output, SiLU(gate), the product and
+    the expert's output before the routing weight). Without LoRA dropout (required on experts) each LoRA
+    input is the base layer's input, kept once; with it, each LoRA layer keeps its dropout's output and
+    1-byte mask."""
+    drop = 3 if dropout else 0  # per element of a LoRA layer's input: dropout output (2) + mask (1)
+    terms = {
+        "attention RMSNorm: its fp32 input copy (4h)": 4 * h,
+        "q, k, v LoRA input: the normed hidden state (2h)"
+        + (" + each one's dropout (3 x 3h)" if dropout else ""): 2 * h + 3 * drop * h,
+        "q and k RMSNorms: fp32 input copies (4q + 4kv)": 4 * q + 4 * kv,
+        "attention kernel inputs q, k, v after RoPE (2q + 4kv)": 2 * q + 4 * kv,
+        "attention output = o_proj input (2q)" + (" + its dropout (3q)" if dropout else ""): (2 + drop) * q,
+        "MLP RMSNorm: fp32 input copy (4h)": 4 * h,
+    }
+    if "experts" in mlp:
+        e, k, i = mlp["experts"], mlp["top_k"], mlp["i"]
+        terms |= {
+            "router: fp32 softmax over the experts (4E)": 4 * e,
+            "top-k copies of the token, one per routed expert: the experts' input (k x 2h)": 2 * k * h,
+            "gate_up output, SiLU(gate), gate x up = down input (k x (4i + 2i + 2i))": 8 * k * i,
+            "expert output before the routing weight (k x 2h)": 2 * k * h,
+        }
+    else:
+        i = mlp["i"]
+        terms |= {
+            "gate, up LoRA input: the normed hidden state (2h)"
+            + (" + dropout (2 x 3h)" if dropout else ""): (2 + 2 * drop) * h,
+            "gate output, SiLU(gate), up output (3 x 2i)": 6 * i,
+            "gate x up = down_proj input (2i)" + (" + its dropout (3i)" if dropout else ""): (2 + drop) * i,
+        }
+    return {
+        "h": h,
+        "q": q,
+        "kv": kv,
+        **mlp,
+        "lora_dropout": dropout,
+        "terms": terms,
+        "bytes": sum(terms.values()),
+    }
+
+
+def expert_weights_bytes(text, target_modules: list[str] | None, gc: bool) -> dict:
+    """Bytes of the full-size expert tensors that LoRA on the experts makes in each MoE layer: PEFT's
+    ParamWrapper folds the adapter into the weight (`torch.baddbmm(W, lhs, rhs)`, peft 0.21
+    `_LoraFactorsProxy`), a bf16 tensor as large as the layer's whole expert stack, cached for the layer's
+    forward; the experts' backward makes its gradient, as large again (the gradient flows to the two
+    low-rank factors through it). Autograd keeps W + dW for the backward of every MoE layer; with
+    gradient checkpointing only the layer being recomputed has it (the checkpointed forward keeps none),
+    so at most one layer's W + dW and its gradient are alive at once. 0 when LoRA leaves the experts out."""
+    e, h, i = text.num_experts, text.hidden_size, text.moe_intermediate_size
+    shapes = {"gate_up_proj": e * 2 * i * h, "down_proj": e * h * i}
+    adapted = {n: v for n, v in shapes.items() if not target_modules or n in target_modules}
+    per_layer = 2 * sum(adapted.values())  # bf16
+    sparse = [
+        k
+        for k in range(text.num_hidden_layers)
+        if k not in (text.mlp_only_layers or []) and (k + 1) % text.decoder_sparse_step == 0
+    ]
+    kept_layers = 1 if gc else len(sparse)
+    return {
+        "adapted_tensors": sorted(adapted),
+        "moe_layers": len(sparse),
+        "w_plus_dw_bytes_per_layer": per_layer,
+        "layers_holding_w_plus_dw": kept_layers if adapted else 0,
+        "gradient_bytes": per_layer,  # one layer's at a time: the backward goes layer by layer
+        "bytes": kept_layers * per_layer + per_layer if adapted else 0,
     }
 
 
@@ -298,25 +470,42 @@ def memory_per_gpu(name: str, model_config, arch_name: str) -> dict:
 
     A micro batch of train.micro_batch_size samples, each data.max_length tokens long (the worst case) with
     one image; Llava's image is 576 tokens (577 patches with CLS), Qwen2-VL's data.max_pixels / 28^2 tokens
-    (4 patches each).
+    and Qwen3-VL's data.max_pixels / 32^2 (4 patches each). A mixture-of-experts model also keeps, per
+    layer and token, its router logits for the load-balancing loss, and the full-size expert weights
+    that LoRA on the experts makes (`expert_weights_bytes`).
     """
     from raylora import config as cfgmod
 
     cfg = cfgmod.load(common.ROOT / "jobs" / JOBS[name])
     text, vision = model_config.text_config, model_config.vision_config
     h, layers, vocab = text.hidden_size, text.num_hidden_layers, text.vocab_size
-    kv = text.num_key_value_heads * (h // text.num_attention_heads)
-    lm = decoder_layer_bytes(h, text.intermediate_size, kv)
+    head_dim = getattr(text, "head_dim", None) or h // text.num_attention_heads
+    kv = text.num_key_value_heads * head_dim
+    moe = getattr(text, "num_experts", 0) > 0
+    if arch_name.startswith("qwen3"):
+        mlp = (
+            {"experts": text.num_experts, "top_k": text.num_experts_per_tok, "i": text.moe_intermediate_size}
+            if moe
+            else {"i": text.intermediate_size}
+        )
+        q = text.num_attention_heads * head_dim
+        lm = qwen3_layer_bytes(h, q, kv, cfg.lora.dropout > 0, mlp)
+    else:
+        lm = decoder_layer_bytes(h, text.intermediate_size, kv)
     if arch_name == "llava":
         d, m, depth = vision.hidden_size, vision.intermediate_size, vision.num_hidden_layers
         tokens_per_image = {"shipped": (vision.image_size // vision.patch_size) ** 2}
         patches_per_token, extra_patches = 1, 1  # CLS
     else:
-        d, m, depth = vision.embed_dim, vision.embed_dim * vision.mlp_ratio, vision.depth
+        # Qwen2-VL's vision config names its width embed_dim (its hidden_size is the output width) and its
+        # MLP by mlp_ratio; Qwen3-VL's names them hidden_size and intermediate_size
+        d = getattr(vision, "embed_dim", None) or vision.hidden_size
+        m = vision.intermediate_size if hasattr(vision, "intermediate_size") else d * vision.mlp_ratio
+        depth = vision.depth
         pixels_per_token = (vision.patch_size * vision.spatial_merge_size) ** 2
         tokens_per_image = {
             "shipped": cfg.data.max_pixels // pixels_per_token,
-            "unset": QWEN2_VL_7B_MAX_PIXELS // pixels_per_token,
+            "unset": MODEL_MAX_PIXELS[arch_name] // pixels_per_token,
         }
         patches_per_token, extra_patches = vision.spatial_merge_size**2, 0
     vit = vit_block_bytes(d, m, trained=not cfg.train.freeze_vision)
@@ -351,6 +540,18 @@ def memory_per_gpu(name: str, model_config, arch_name: str) -> dict:
             f"vision tower: {depth} blocks, {patches:,} patches": vision_bytes,
             f"answer logits: {b} x {ANSWER_TOKENS} answer tokens x {vocab:,} x 10 B": logits_bytes,
         }
+        if moe:
+            e = text.num_experts
+            # each layer's router logits (bf16), kept to the end of the forward for the load-balancing loss,
+            # and the loss's own softmax of them (bf16), kept for its backward: checkpointing keeps both
+            act[
+                f"router logits and their softmax for the load-balancing loss: {layers} x {tokens:,} x 4E"
+            ] = layers * tokens * 4 * e
+            experts = expert_weights_bytes(text, cfg.lora.target_modules, gc)
+            act[
+                f"experts' W + dW at full size (bf16, {experts['w_plus_dw_bytes_per_layer'] / GB:.2f} GB a "
+                f"layer) in {experts['layers_holding_w_plus_dw']} layer(s), and one layer's gradient of it"
+            ] = experts["bytes"]
         total = sum(act.values()) + sum(shares["bytes"].values()) + RUNTIME_OVERHEAD_GB * GB
         total_resident = sum(act.values()) + sum(resident["bytes"].values()) + RUNTIME_OVERHEAD_GB * GB
         rows[label] = {
@@ -361,6 +562,7 @@ def memory_per_gpu(name: str, model_config, arch_name: str) -> dict:
             "activation_bytes": act,
             "activations_gb": sum(act.values()) / GB,
             "logits_of_every_position_would_be_gb": tokens * vocab * 10 / GB,
+            **({"expert_weights": experts} if moe else {}),
             "total_gb": total / GB,
             "fits": {f"{c} GB": total <= c * GB for c in CARDS_GB},
             "total_gb_base_resident": total_resident / GB,
@@ -373,6 +575,8 @@ def memory_per_gpu(name: str, model_config, arch_name: str) -> dict:
         "vision_block_bytes_per_patch": vit,
         "zero3_shares": shares,
         "zero3_shares_gb": sum(shares["bytes"].values()) / GB,
+        # what this job trains (its lora, freeze and router settings), 12 bytes each in a checkpoint
+        "checkpoint_gb_of_this_job": 12 * shares["trainable_params"] / GB,
         "base_all_gathers_per_step": base_all_gathers(shares, accumulation),
         "base_resident": {
             "setting": f"train.param_persistence_threshold={largest}",
@@ -489,23 +693,30 @@ def padding_steps() -> int:
 def main() -> None:
     args = common.parser(__doc__).parse_args()
     start = time.perf_counter()
-    models = {"llava-1.5-7b": (llava_15_7b, "llava"), "Qwen2-VL-7B-Instruct": (qwen2_vl_7b, "qwen2_vl")}
-    if args.tiny:
-        models = {"llava-1.5-7b": models["llava-1.5-7b"]}
+    models = MODELS
+    if args.tiny:  # the CI smoke: llava's counts and memory, and the MoE arithmetic's once (a few seconds)
+        models = {n: MODELS[n] for n in ("llava-1.5-7b", "Qwen3-VL-30B-A3B-Instruct")}
     rows = []
-    for name, (build, arch) in models.items():
-        for trained in (False, True):
-            rows.append({"model": name, **count(build(), arch, trained)})
-    memory = [memory_per_gpu(name, build(), arch) for name, (build, arch) in models.items()]
+    for name, (build, arch, dropout) in models.items():
+        for trained in (False,) if args.tiny and arch != "llava" else (False, True):
+            rows.append({"model": name, **count(build(), arch, trained, dropout)})
+    memory = [memory_per_gpu(name, build(), arch) for name, (build, arch, _) in models.items()]
     steps, samples = (10, 2_000) if args.tiny else (padding_steps(), 20_000)
-    packed = [packing_on_paper(name, build(), steps, samples) for name, (build, _) in models.items()]
+    # packing on the length mixes bench/padding.py models, which are the 7B jobs'
+    packed = [
+        packing_on_paper(name, build(), steps, samples)
+        for name, (build, arch, _) in models.items()
+        if arch in ("llava", "qwen2_vl")
+    ]
     common.write_result(
         args,
         "on_paper",
         {
             "setup": {
                 "lora": f"r={LORA_R}, alpha={2 * LORA_R}, every linear layer of the language model "
-                "(q, k, v, o, gate, up, down), as raylora.model.add_lora builds it",
+                "(q, k, v, o, gate, up, down) and, in a mixture-of-experts model, its fused expert tensors "
+                "(gate_up_proj, down_proj: a rank-r adapter per expert, no dropout), as "
+                "raylora.model.add_lora builds it",
                 "built_on": "meta device from transformers config classes: no weights",
                 "seconds": time.perf_counter() - start,
             },

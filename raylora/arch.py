@@ -71,15 +71,69 @@ REGISTRY: dict[str, Architecture] = {
             "model.visual",
             ("model.visual.merger", "model.visual.deepstack_merger_list"),
         ),
+        # Qwen3-VL-MoE: Qwen3-VL's parts; its decoder layers' experts are fused 3-D tensors that LoRA reaches
+        # through PEFT's target_parameters, its routers (`mlp.gate`) frozen unless train.train_router.
+        Architecture(
+            "qwen3_vl_moe",
+            "model.language_model",
+            "model.visual",
+            ("model.visual.merger", "model.visual.deepstack_merger_list"),
+        ),
+        # Qwen3.5 (dense; natively multimodal): Qwen3-VL's vision tower without DeepStack mergers, so the
+        # aligner is its merger alone. The language model's decoder layers hold Gated DeltaNet linear
+        # attention (`linear_attn`: in_proj_qkv, in_proj_z, in_proj_a, in_proj_b, out_proj, all nn.Linear
+        # called as modules, so LoRA adapts them like q/k/v/o; its causal conv1d, decay A_log, dt_bias and
+        # gated norm are not linear layers and stay frozen) or gated full attention (`self_attn`).
+        Architecture("qwen3_5", "model.language_model", "model.visual", "model.visual.merger"),
+        # Qwen3.5-MoE: Qwen3.5's parts; each layer's MLP is fused experts (LoRA through target_parameters)
+        # beside a shared expert (nn.Linear: LoRA) and its one-output gate `shared_expert_gate`, a router
+        # like `mlp.gate` (raylora.moe): never a LoRA target, frozen unless train.train_router.
+        Architecture("qwen3_5_moe", "model.language_model", "model.visual", "model.visual.merger"),
+        # GLM-4.1V and GLM-4.5V/4.6V-style dense models (glm4v), and GLM-4.6V's own model type (glm46v:
+        # Glm46VModel builds the same two sub-models from its sub-configs, dense with a glm4v_text config,
+        # MoE with glm4v_moe_text). The vision tower ends in a strided Conv2d (`downsample`) that merges
+        # 2x2 patches into the language model's width, then the patch merger (`merger`, a gated MLP at that
+        # width): together they do what Qwen2-VL's merger does alone, so both are the aligner (LLaMA-Factory
+        # and ms-swift name the merger only, which leaves the downsample frozen with the tower). The rest
+        # of `model.visual` (patch and position embeddings, blocks, their norms) is the vision tower.
+        Architecture(
+            "glm4v",
+            "model.language_model",
+            "model.visual",
+            ("model.visual.downsample", "model.visual.merger"),
+        ),
+        # GLM-4.5V (glm4v_moe): glm4v's parts; its first layer dense, the others fused experts beside shared
+        # experts (nn.Linear), routed by `mlp.gate`
+        Architecture(
+            "glm4v_moe",
+            "model.language_model",
+            "model.visual",
+            ("model.visual.downsample", "model.visual.merger"),
+        ),
+        Architecture(
+            "glm46v",
+            "model.language_model",
+            "model.visual",
+            ("model.visual.downsample", "model.visual.merger"),
+        ),
         # Idefics3 and SmolVLM (model_type idefics3): SigLIP vision model, pixel-shuffle connector
         Architecture("idefics3", "model.text_model", "model.vision_model", "model.connector"),
         Architecture("gemma3", "model.language_model", "model.vision_tower", "model.multi_modal_projector"),
+        # Gemma 4: `embed_vision` (a norm and a projection into the text width) is the aligner. The audio
+        # tower and `embed_audio` beside them are neither part: no raylora sample holds audio, so they
+        # take no part in a forward pass; frozen and never trained (nor in checkpoints). The language
+        # model includes the per-layer input embeddings and their projections (nn.Linear: LoRA adapts them).
+        Architecture("gemma4", "model.language_model", "model.vision_tower", "model.embed_vision"),
+        # InternVL3 and InternVL3.5 (-HF folders: model_type internvl, a Qwen2 or Qwen3 text model)
         Architecture("internvl", "model.language_model", "model.vision_tower", "model.multi_modal_projector"),
         # Mistral3 (Mistral-Small-3.1; Pixtral vision tower, the patch merger is in the projector)
         Architecture("mistral3", "model.language_model", "model.vision_tower", "model.multi_modal_projector"),
-        # Phi-3 / Phi-3.5-vision: remote code (trust_remote_code, AutoModelForCausalLM), which raylora does
-        # not load. Its embeddings and final norm sit beside the decoder layers under `model.`, so the
-        # language model is the decoder layers, where LoRA goes.
+        # Phi-3 / Phi-3.5-vision: remote code (trust_remote_code, AutoModelForCausalLM), bridged for
+        # transformers 5 by raylora.remote_compat and trained in tests/test_phi3_vision.py on a stand-in
+        # folder (not a raylora.tiny model, hence tested=False). Its embeddings and final norm sit beside
+        # the decoder layers under `model.`, so the language model is the decoder layers, where LoRA goes.
+        # The CLIP tower is `img_processor`, the MLP projection `img_projection`; the HD transform's
+        # separators (`vision_embed_tokens.glb_GN`, `.sub_GN`) are parameters of neither: frozen.
         Architecture(
             "phi3_v",
             "model.layers",
@@ -109,10 +163,17 @@ def remote_code(model_path: str | Path) -> dict[str, str]:
 
 def auto_model_class(auto_map: dict[str, str]):
     """`AutoModelForImageTextToText`, or `AutoModelForCausalLM` for a model whose own modeling code
-    (`auto_map` in its config.json) registers only that, as Phi-3-vision's does."""
+    (`auto_map` in its config.json) registers only that, as Phi-3-vision's does: bridged for transformers 5
+    where raylora knows its code (`raylora.remote_compat`)."""
     import transformers
 
     if auto_map and "AutoModelForImageTextToText" not in auto_map and "AutoModelForCausalLM" in auto_map:
+        from raylora import remote_compat
+
+        if remote_compat.bridged(auto_map["AutoModelForCausalLM"]):
+            return remote_compat.BridgedAutoModel(
+                transformers.AutoModelForCausalLM, auto_map["AutoModelForCausalLM"]
+            )
         return transformers.AutoModelForCausalLM
     return transformers.AutoModelForImageTextToText
 
@@ -148,33 +209,81 @@ def detect(
         return Architecture(arch, *parts, tested=False)
     if arch not in REGISTRY:
         raise ConfigError(
-            f"model.arch: unsupported architecture {arch!r} (supported: {', '.join(sorted(REGISTRY))}; for "
-            f"another, name its parts' prefixes: model.language_model, model.vision_tower, model.aligner)"
+            f"model.arch: unsupported architecture {arch!r}{_shipped(arch)} (supported: "
+            f"{', '.join(sorted(REGISTRY))}); to train it, name its parts by the prefixes of its parameter "
+            f"names (model.named_parameters()): model.language_model, model.vision_tower and model.aligner, "
+            f"each one prefix or a list of them where a part spans several modules, e.g. "
+            f"model.aligner=[model.visual.merger,model.visual.deepstack_merger_list]; parameters under none "
+            f"of them stay frozen"
         )
     if not REGISTRY[arch].tested:
         log.warning("architecture %s is registered but not tested with raylora", arch)
     return REGISTRY[arch]
 
 
-def lora_target_regex(model: nn.Module, arch: Architecture, names: list[str] | None) -> str:
-    """A PEFT `target_modules` regex: the named (default: every) linear layer of the language model only."""
-    under = tuple(p + "." for p in arch.language_model)
-    leaves = sorted(
-        {
-            n.rsplit(".", 1)[-1]
-            for n, m in model.named_modules()
-            if n.startswith(under) and isinstance(m, nn.Linear)
-        }
-    )
+def _shipped(model_type: str) -> str:
+    """', which transformers X ships' where the installed transformers builds `model_type` itself."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES:
+        return f", which transformers {transformers.__version__} ships but raylora does not register"
+    return ""
+
+
+def lora_targets(
+    model: nn.Module,
+    arch: Architecture,
+    names: list[str] | None,
+    parts: tuple[str, ...] | list[str] = ("language_model",),
+) -> tuple[str | None, list[str]]:
+    """What LoRA adapts: a PEFT `target_modules` regex over the linear layers of `parts` (lora.parts) and
+    the full names of the language model's fused expert tensors for PEFT's `target_parameters`
+    (mixture-of-experts models, raylora.moe). A layer belongs to the part `part_of` gives it, so LoRA on
+    Qwen's vision tower leaves its aligner, which sits inside the tower, alone. `names`
+    (lora.target_modules) picks among both by leaf name (q_proj, gate_up_proj, ...); unset: every linear
+    layer and every expert tensor. Routers are never targets (raylora.moe)."""
+    from raylora import moe
+
+    routers = tuple(r + "." for r in moe.router_modules(model, arch))  # a router may be a Linear itself
+    linear = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear)
+        and arch.part_of(n + ".weight") in parts
+        and not (n + ".").startswith(routers)
+    ]
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    experts = moe.expert_parameters(model, arch) if "language_model" in parts else {}
     if names:
-        unknown = sorted(set(names) - set(leaves))
+        known = set(leaves) | set(experts.values())
+        unknown = sorted(set(names) - known)
         if unknown:
             raise ConfigError(
-                f"lora.target_modules: {', '.join(unknown)} not linear layers of the language model "
-                f"(found: {', '.join(leaves)})"
+                f"lora.target_modules: {', '.join(unknown)} not linear layers or expert tensors of "
+                f"{' / '.join(parts)} (found: {', '.join(sorted(known))})"
             )
-        leaves = sorted(set(names))
-    if not leaves:
-        raise ConfigError(f"no linear layers found under {', '.join(arch.language_model)}")
+        leaves = sorted(set(names) & set(leaves))
+    targets = [full for full, leaf in experts.items() if not names or leaf in names]
+    chosen = [n for n in linear if n.rsplit(".", 1)[-1] in leaves]
+    if not chosen and not targets:
+        raise ConfigError(f"no linear layers found in {' / '.join(parts)} ({arch.model_type})")
+    if not chosen:
+        return None, targets
     escaped = "|".join(re.escape(p) for p in arch.language_model)
-    return rf"^({escaped})\.(.*\.)?({'|'.join(leaves)})$"
+    regex = rf"^({escaped})\.(.*\.)?({'|'.join(leaves)})$"
+    # The compact form where it matches exactly the chosen layers (LoRA on the language model, no router
+    # sharing a leaf name); otherwise every layer by its full name.
+    every = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if [n for n in every if re.match(regex, n)] != chosen:
+        regex = rf"^({'|'.join(re.escape(n) for n in chosen)})$"
+    return regex, targets
+
+
+def lora_target_regex(model: nn.Module, arch: Architecture, names: list[str] | None) -> str:
+    """A PEFT `target_modules` regex: the named (default: every) linear layer of the language model only
+    (`lora_targets` without the expert tensors)."""
+    regex, _ = lora_targets(model, arch, names)
+    if regex is None:
+        raise ConfigError(f"lora.target_modules: {', '.join(names or [])} name no linear layer")
+    return regex

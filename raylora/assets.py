@@ -26,15 +26,16 @@ PROMPT = "Which digit is this?"
 TINY_ARCHS: tuple[str, ...] = tuple(BUILDERS)
 
 
-def build_tiny_model(arch: str, width: int = 64, layers: int = 2, seed: int = 0):
-    """Build (model, processor) for `arch` from config classes only: random weights, real structure."""
+def build_tiny_model(arch: str, width: int = 64, layers: int = 2, seed: int = 0, **variant):
+    """Build (model, processor) for `arch` from config classes only: random weights, real structure.
+    `variant`: the builder's own options (raylora.tiny), e.g. `text_model="qwen3"` for InternVL3.5."""
     import torch
     from transformers import AutoModelForImageTextToText
 
     if arch not in BUILDERS:
         raise ValueError(f"make-tiny-model: unknown --arch {arch!r}; choose one of {', '.join(TINY_ARCHS)}")
     torch.manual_seed(seed)
-    config, processor = BUILDERS[arch](width, layers)
+    config, processor = BUILDERS[arch](width, layers, **variant)
     tokenizer = processor.tokenizer
     for cfg in (config, config.text_config):
         cfg.pad_token_id = tokenizer.pad_token_id
@@ -48,10 +49,12 @@ def build_tiny_model(arch: str, width: int = 64, layers: int = 2, seed: int = 0)
     return model, processor
 
 
-def make_tiny_model(out_dir: str | Path, arch: str, width: int = 64, layers: int = 2, seed: int = 0) -> Path:
+def make_tiny_model(
+    out_dir: str | Path, arch: str, width: int = 64, layers: int = 2, seed: int = 0, **variant
+) -> Path:
     """Write a tiny model folder that `from_pretrained` loads like a downloaded one."""
     out = Path(out_dir)
-    model, processor = build_tiny_model(arch, width=width, layers=layers, seed=seed)
+    model, processor = build_tiny_model(arch, width=width, layers=layers, seed=seed, **variant)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     processor.save_pretrained(out)

@@ -67,8 +67,15 @@ class LoraConfig:
     """LoRA scaling numerator (the update is scaled by alpha / r)."""
     dropout: float = 0.05
     """Dropout on the LoRA input."""
+    parts: list[typing.Literal["language_model", "vision_tower", "aligner"]] = field(
+        default_factory=lambda: ["language_model"]
+    )
+    """The model parts whose linear layers get LoRA: `language_model` (default), `vision_tower`, `aligner`
+    (the mixture-of-experts tensors count as the language model's). A part cannot also be trained fully
+    (train.freeze_vision / train.freeze_aligner false)."""
     target_modules: list[str] | None = None
-    """Names of linear layers in the language model to adapt (e.g. [q_proj, v_proj]); unset: every one."""
+    """Names of linear layers (or mixture-of-experts tensors: gate_up_proj, down_proj) to adapt within
+    lora.parts (e.g. [q_proj, v_proj]); unset: every one."""
     use_dora: bool = False
     """DoRA: a trained magnitude vector per adapted layer beside LoRA (PEFT's use_dora)."""
     use_rslora: bool = False
@@ -115,6 +122,15 @@ class DataConfig:
     workers: int = 1
     """Processes that build the next steps' micro batches (read, decode, tokenise) while the current step
     computes (README: Input pipeline); 0 builds them inline, in the training process."""
+    video_fps: float | None = None
+    """Frames sampled per second of video (LLaMA-Factory's video_fps); unset: 2, or data.video_num_frames."""
+    video_num_frames: int | None = None
+    """Frames sampled per video, evenly spaced, instead of data.video_fps (setting both is refused)."""
+    video_max_frames: int = 128
+    """Most frames sampled from one video (LLaMA-Factory's video_maxlen); a longer one is sampled sparser."""
+    video_stand_in: bool | None = None
+    """Give each pass a video (a blank stand-in where it has none): ZeRO-3 ranks run the same video passes;
+    unset: on where the driver's preflight finds video rows or a video field in data.train."""
 
 
 @dataclass
@@ -148,6 +164,9 @@ class TrainConfig:
     """Keep the vision tower frozen; false trains it fully."""
     freeze_aligner: bool = True
     """Keep the aligner (projector) frozen; false trains it fully."""
+    train_router: bool = False
+    """Mixture-of-experts models: train the routers (the gates that pick each token's experts) fully, saved
+    beside the adapter; off: frozen, as the base model routes."""
     param_persistence_threshold: int = 100_000
     """ZeRO-3 keeps parameters of at most this many elements whole on every rank, gathered once per
     optimizer step instead of at every use (DeepSpeed's stage3_param_persistence_threshold); at the largest
@@ -365,6 +384,8 @@ def _yaml_quirks(cls: type, data: Any, prefix: str) -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(str(choice) for choice in typing.get_args(tp))
     return str(tp).replace("<class '", "").replace("'>", "")
 
 
@@ -510,6 +531,17 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key} must be positive, got {value}")
     if not 0.0 <= cfg.lora.dropout < 1.0:
         raise ConfigError(f"lora.dropout must be in [0, 1), got {cfg.lora.dropout}")
+    parts = cfg.lora.parts
+    if not parts or len(set(parts)) != len(parts):
+        raise ConfigError(
+            f"lora.parts must name distinct parts (language_model, vision_tower, aligner), got {parts}"
+        )
+    for part, key in (("vision_tower", "freeze_vision"), ("aligner", "freeze_aligner")):
+        if part in parts and not getattr(cfg.train, key):
+            raise ConfigError(
+                f"lora.parts has {part} and train.{key}=false trains it fully: choose one (LoRA on its "
+                f"linear layers, or the whole {part.replace('_', ' ')} trained)"
+            )
     init = cfg.lora.init
     if init not in LORA_INITS:
         family = "pissa_niter_<n>" if str(init).startswith("pissa_niter_") else init
@@ -623,6 +655,15 @@ def _validate_memory(cfg: Config) -> None:
         raise ConfigError(f"data.min_pixels must be positive when set, got {d.min_pixels}")
     if d.min_pixels is not None and d.max_pixels is not None and d.min_pixels > d.max_pixels:
         raise ConfigError(f"data.min_pixels ({d.min_pixels}) exceeds data.max_pixels ({d.max_pixels})")
+    if d.video_fps is not None and d.video_num_frames is not None:
+        raise ConfigError("data.video_fps and data.video_num_frames are both set: sample by one of them")
+    for key, value in {
+        "data.video_fps": d.video_fps,
+        "data.video_num_frames": d.video_num_frames,
+        "data.video_max_frames": d.video_max_frames,
+    }.items():
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key} must be positive when set, got {value}")
 
 
 def markdown_reference() -> str:
@@ -644,7 +685,7 @@ def markdown_reference() -> str:
         default = cls()
         for f in dataclasses.fields(cls):
             tp = str(typing.get_type_hints(cls)[f.name]).replace("<class '", "").replace("'>", "")
-            tp = tp.replace(" | None", " or null").replace(" | ", " or ")
+            tp = tp.replace(" | None", " or null").replace(" | ", " or ").replace("typing.", "")
             rows.append(
                 f"| `{section.name}.{f.name}` | {tp} | `{getattr(default, f.name)!r}` | {docs[f.name]} |"
             )

@@ -63,8 +63,9 @@ def preflight(cfg: Config) -> Architecture:
         raise ConfigError(
             f"fault.kill_rank {cfg.fault.kill_rank} is not a rank of {cfg.world_sizes[0]} workers"
         )
-    if cfg.lora.modules_to_save:  # wraps the model on the meta device: a name that matches nothing fails here
-        expected_trainable(cfg)
+    # The run's model with LoRA on the meta device: a lora.target_modules or modules_to_save name that matches
+    # nothing, or a LoRA option that the model's experts do not take, fails here; it logs what LoRA adapts.
+    expected_trainable(cfg)
     check_resume(cfg)
     # The dearer checks last (a second or a few): what every rank would otherwise meet only after loading
     # the model and setting up DeepSpeed on every node.

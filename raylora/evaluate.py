@@ -21,7 +21,16 @@ from peft import PeftModel, get_peft_model
 from raylora import checkpoint, hub
 from raylora.arch import auto_model_class, remote_code
 from raylora.config import ConfigError
-from raylora.data.batches import make_batch, read, stand_in
+from raylora.data import video
+from raylora.data.batches import (
+    VIDEO_STAND_IN,
+    make_batch,
+    read,
+    stand_in,
+    stand_in_video,
+    use_video_stand_in,
+    video_sampling,
+)
 from raylora.data.formats import BadRow, Rows, open_rows
 from raylora.data.labels import end_of_turn_ids, last_answer
 from raylora.data.processor import load_processor
@@ -95,6 +104,11 @@ def load_for_inference(
     model.eval()
     data = state.config.get("data", {})  # the resolution the adapter was trained at
     processor = load_processor(model_path, data.get("max_pixels"), data.get("min_pixels"), trust)
+    # frames sampled as in training (one process: no ranks to keep in step, so no video stand-in)
+    sampling = video.Sampling(
+        data.get("video_fps"), data.get("video_num_frames"), data.get("video_max_frames", 128)
+    )
+    use_video_stand_in(processor, False, sampling)
     return place(model, device, forced), processor
 
 
@@ -131,7 +145,7 @@ def score(
     per_token, rows = answer_token_losses(model, batch, labels)
     mask = torch.tensor(counted, device=per_token.device)[rows]
     prompts = {k: v.to(device) for k, v in make_batch(processor, examples, with_answers=False).items()}
-    answers = [last_answer(messages) for messages, _ in examples]
+    answers = [last_answer(example[0]) for example in examples]
     stops = end_of_turn_ids(processor)  # where training taught the model to stop
     out = model.generate(
         **prompts,
@@ -167,7 +181,7 @@ def _score_rows(model, processor, data: Rows, rows, batch_size: int, device) -> 
         examples = []
         for i in rows[start : start + batch_size]:
             try:
-                examples.append(read(data, i))
+                examples.append(read(data, i, video_sampling(processor)))
             except BadRow:
                 continue
         if examples:
@@ -378,13 +392,16 @@ def _score_in_lockstep(
         examples, keep = [], counted[i : i + batch_size]
         for k in range(i, min(per_rank, i + batch_size)):
             try:
-                examples.append(read(data, mine[k]))
+                examples.append(read(data, mine[k], video_sampling(processor)))
             except BadRow:
                 examples.append(stand_in())
                 keep[k - i] = False
-        if not any(images for _, images in examples):
+        if not any(example[1] for example in examples):
             # ranks wait for each other in the vision tower's parameter gathers: every rank must run it
             examples.append(stand_in())
+            keep.append(False)
+        if getattr(processor, VIDEO_STAND_IN, False) and not any(len(example) > 2 for example in examples):
+            examples.append(stand_in_video())  # and its video pass, where the model has one
             keep.append(False)
         for key, value in score(
             model, processor, examples, keep, synced_gpus=True, device=engine.device

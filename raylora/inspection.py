@@ -30,13 +30,12 @@ GROUPS = {
 
 
 def part_of(name: str, arch: str | None) -> str:
-    """`language_model` (LoRA), `vision_tower`, `aligner` or `other` for a trainable parameter name.
+    """`language_model`, `vision_tower`, `aligner` or `other` for a trainable parameter name (a LoRA
+    tensor belongs to the part of the layer it adapts).
 
     The configured architecture decides when set; otherwise the first registry entry that knows the
     name. Only the language model prefixes are shared between entries, so the order does not matter.
     """
-    if ".lora_" in name:
-        return "language_model"
     entries = [REGISTRY[arch]] if arch in REGISTRY else list(REGISTRY.values())
     return next((p for a in entries if (p := a.part_of(name)) is not None), "other")
 

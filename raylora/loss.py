@@ -63,21 +63,32 @@ def _only_rows(model, flat: torch.Tensor):
 
 
 def answer_token_losses(
-    model, batch: dict, labels: torch.Tensor, positions: dict[str, torch.Tensor] | None = None
+    model,
+    batch: dict,
+    labels: torch.Tensor,
+    positions: dict[str, torch.Tensor] | None = None,
+    aux: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 cross-entropy of each answer token, the batch row it belongs to), row by row in order.
 
     `positions`: `answer_positions(labels)` computed beforehand (on the CPU, then copied with the batch);
-    computed here from `labels` when not given.
+    computed here from `labels` when not given. `aux`: a list that receives the forward's load-balancing
+    loss (mixture-of-experts models, raylora.moe.aux_loss_coef), which the model then computes.
     """
+    extra = {"output_router_logits": True} if aux is not None else {}
     if FULL_LOGITS:
         keep = predicts_answer(labels)
-        logits = model(**batch).logits.float()
+        out = model(**batch, **extra)
+        logits = out.logits.float()
+        if aux is not None:
+            aux.append(out.aux_loss)
         every = F.cross_entropy(
             logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=IGNORE_INDEX, reduction="none"
         )
         return every[keep[:, :-1]], keep.nonzero()[:, 0]
     pos = positions if positions is not None else answer_positions(labels)
     with _only_rows(model, pos["flat"]):
-        logits = model(**batch, logits_to_keep=0).logits  # (answer tokens, vocabulary)
-    return F.cross_entropy(logits.float(), pos["targets"], reduction="none"), pos["rows"]
+        out = model(**batch, logits_to_keep=0, **extra)  # logits: (answer tokens, vocabulary)
+    if aux is not None:
+        aux.append(out.aux_loss)
+    return F.cross_entropy(out.logits.float(), pos["targets"], reduction="none"), pos["rows"]

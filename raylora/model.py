@@ -7,16 +7,23 @@ model fit). The returned handle must stay referenced until `deepspeed.initialize
 
 from __future__ import annotations
 
+import json
+import logging
+from pathlib import Path
+
 import peft
 import torch
+from peft.tuners.lora import LoraLayer
 from transformers.integrations import HfDeepSpeedConfig
 
-from raylora import hub
-from raylora.arch import Architecture, auto_model_class, lora_target_regex, remote_code
+from raylora import hub, moe
+from raylora.arch import Architecture, auto_model_class, lora_targets, remote_code
 from raylora.checkpoint import is_adapter
 from raylora.config import Config, ConfigError
 from raylora.data import packing
 from raylora.zero import full_shape
+
+log = logging.getLogger("raylora")
 
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's parameter names
 
@@ -24,12 +31,13 @@ PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's
 def build_model(cfg: Config, arch: Architecture, ds_config: dict) -> tuple[peft.PeftModel, HfDeepSpeedConfig]:
     """The base model (ZeRO-3 partitioned) with a fresh LoRA adapter on its language model."""
     zero3 = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained: it is how transformers sees ZeRO-3
+    moe.fix_expert_layouts()  # MoE folders in either expert layout load under ZeRO-3 (raylora.moe)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
     model_dir = hub.resolve(cfg.model.path, cfg.model.revision)
     model, loading = auto_model_class(remote_code(model_dir)).from_pretrained(
         model_dir,
         dtype=dtype,
-        attn_implementation=cfg.model.attn_implementation,
+        attn_implementation=attention(model_dir, cfg.model.attn_implementation),
         trust_remote_code=cfg.model.trust_remote_code,
         output_loading_info=True,
     )
@@ -47,6 +55,19 @@ def build_model(cfg: Config, arch: Architecture, ds_config: dict) -> tuple[peft.
         packing.use_packed_attention(model)  # each packed sample's attention on its own
     prepare_for_training(model, cfg)
     return add_lora(model, cfg, arch), zero3
+
+
+def attention(model_dir: str | Path, implementation: str) -> str | dict[str, str]:
+    """model.attn_implementation as `from_pretrained` takes it: for the model and its sub-models, except an
+    audio tower (Gemma 4's, which supports neither sdpa nor flash attention and is never trained), which
+    keeps transformers' own choice."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    if not isinstance(config.get("audio_config"), dict):
+        return implementation
+    subs = [
+        k for k, v in config.items() if k.endswith("_config") and isinstance(v, dict) and k != "audio_config"
+    ]
+    return {"": implementation} | dict.fromkeys(subs, implementation)
 
 
 def prepare_for_training(model: torch.nn.Module, cfg: Config) -> None:
@@ -72,12 +93,18 @@ def prepare_for_training(model: torch.nn.Module, cfg: Config) -> None:
 
 
 def add_lora(model: torch.nn.Module, cfg: Config, arch: Architecture) -> peft.PeftModel:
-    """Wrap the base model with a fresh LoRA adapter on its language model's linear layers."""
+    """Wrap the base model with a fresh LoRA adapter on its language model's linear layers and, in a
+    mixture-of-experts model, its fused expert tensors (PEFT's target_parameters: a rank-r adapter per
+    expert)."""
+    regex, experts = lora_targets(model, arch, cfg.lora.target_modules, cfg.lora.parts)
+    if experts:
+        moe.check_expert_lora(cfg)
     lora = peft.LoraConfig(
         r=cfg.lora.r,
         lora_alpha=cfg.lora.alpha,
         lora_dropout=cfg.lora.dropout,
-        target_modules=lora_target_regex(model, arch, cfg.lora.target_modules),
+        target_modules=regex,
+        target_parameters=experts or None,
         bias="none",
         use_dora=cfg.lora.use_dora,
         use_rslora=cfg.lora.use_rslora,
@@ -95,6 +122,9 @@ def add_lora(model: torch.nn.Module, cfg: Config, arch: Architecture) -> peft.Pe
     # fp32 precision lives in DeepSpeed's masters, which the checkpoint stores.
     model = peft.get_peft_model(model, lora, autocast_adapter_dtype=False)
     _check_modules_to_save(model, cfg.lora.modules_to_save or [])
+    adapted = [n for n, m in model.named_modules() if isinstance(m, LoraLayer) and "lora_A" in m._modules]
+    kinds = moe.adapted_kinds(adapted)
+    log.info("LoRA adapts %s", ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items())))
     return model
 
 
@@ -127,10 +157,12 @@ def set_trainable(model: torch.nn.Module, arch: Architecture, cfg: Config) -> No
         "vision_tower": not cfg.train.freeze_vision,
         "aligner": not cfg.train.freeze_aligner,
     }
+    routers = tuple(r + "." for r in moe.router_modules(model, arch)) if cfg.train.train_router else ()
     for name, param in model.named_parameters():
         name = base_name(name)
         trained_part = trained_parts.get(arch.part_of(name), False) and ".original_module." not in name
-        param.requires_grad_(is_adapter(name) or trained_part)
+        router = bool(routers) and name.startswith(routers) and not is_adapter(name)
+        param.requires_grad_(is_adapter(name) or trained_part or router)
 
 
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

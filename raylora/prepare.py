@@ -1,5 +1,6 @@
-"""`raylora prepare-data`: one pass over a data source that checks every row, decodes every image once, and
-writes the layout training reads fastest, with why each bad row is bad and the data's statistics.
+"""`raylora prepare-data`: one pass over a data source that checks every row, decodes every image and video
+once, and writes the layout training reads fastest (a video's file kept as it is), with why each bad row is
+bad and the data's statistics (tokens per row counting each video's tokens).
 
 The pass runs on Ray Data, so on a cluster it spreads over every node's CPUs: the row indices are cut into
 blocks and each block is one task that opens the source itself, by URI (a task may run on any node), reads
@@ -48,6 +49,7 @@ SCHEMA = pa.schema(
     [
         ("messages", pa.list_(pa.struct([("role", pa.string()), ("content", pa.list_(PART))]))),
         ("images", pa.list_(pa.binary())),
+        ("videos", pa.list_(pa.binary())),  # each video's file as it was (decoded again when trained on)
         ("source_row", pa.int64()),  # the row in the source, to trace a row back to it
     ]
 )
@@ -216,12 +218,13 @@ def _read(entry: bytes | str) -> bytes:
         return f.read()
 
 
-def _tokens(processor, messages: list[dict], images: list) -> int:
+def _tokens(processor, messages: list[dict], images: list, videos: list | None = None) -> int:
     """Tokens of the sample as training makes them and `data.max_length` counts them: every turn through
-    the model's chat template and processor, image tokens expanded."""
+    the model's chat template and processor, image and video tokens expanded (frames sampled as
+    data.video_fps and its siblings default)."""
     from raylora.data.labels import encode
 
-    return len(encode(processor, (messages, images)).labels)
+    return len(encode(processor, (messages, images, videos) if videos else (messages, images)).labels)
 
 
 def check_rows(
@@ -231,7 +234,8 @@ def check_rows(
     row's sizes go to `ledger`."""
     from jinja2 import TemplateError
 
-    from raylora.data.formats import BadRow, load_image
+    from raylora.data import video
+    from raylora.data.formats import BadRow, load_image, load_video
 
     rows = _open(uri, fmt, image_root)
     processor = _processor(model) if model else None
@@ -242,7 +246,11 @@ def check_rows(
         try:
             sample = rows.sample(row)
             images = [load_image(entry) for entry in sample.images]
-            tokens = _tokens(processor, sample.messages, images) if processor is not None else None
+            if any(isinstance(entry, list) for entry in sample.videos):
+                raise BadRow("a video given as a list of frames: prepare-data keeps video files only")
+            # every video decoded once here too: one that does not decode is a bad row before training
+            videos = [load_video(entry, video.Sampling()) for entry in sample.videos]
+            tokens = _tokens(processor, sample.messages, images, videos) if processor is not None else None
         except BadRow as err:
             bad.append((row, err.reason))
             continue
@@ -260,7 +268,14 @@ def check_rows(
             {"role": t["role"], "content": [{"type": p["type"], "text": p.get("text")} for p in t["content"]]}
             for t in sample.messages
         ]
-        good.append({"messages": messages, "images": [_read(e) for e in sample.images], "source_row": row})
+        good.append(
+            {
+                "messages": messages,
+                "images": [_read(e) for e in sample.images],
+                "videos": [_read(e) for e in sample.videos],
+                "source_row": row,
+            }
+        )
     first = int(batch["id"][0]) if len(batch["id"]) else -1
     # keyed by the block's first row, so a retried task does not count its rows twice; int32 arrays keep
     # the ledger at 4 bytes a number, for data sets of many millions of rows

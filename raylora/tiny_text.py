@@ -22,10 +22,11 @@ LLAVA_CHAT_TEMPLATE = (
     "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
-QWEN2_VL_CHAT_TEMPLATE = (
+QWEN2_VL_CHAT_TEMPLATE = (  # Qwen2-VL / Qwen2.5-VL Instruct's parts: an image or a video each in vision marks
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% for c in message['content'] %}{% if c['type'] == 'image' %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
@@ -59,6 +60,24 @@ INTERNVL_CHAT_TEMPLATE = (  # InternVL3 (-hf): Qwen2's turns, the image as <IMG_
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# GLM-4.1V / 4.5V / 4.6V: [gMASK]<sop>, then <|role|> and a line break a turn; no end-of-turn token
+GLM4V_CHAT_TEMPLATE = (
+    "[gMASK]<sop>{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for c in message['content'] %}"
+    "{% if c['type'] == 'image' %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif c['type'] == 'video' %}<|begin_of_video|><|video|><|end_of_video|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+GEMMA4_CHAT_TEMPLATE = (  # Gemma 4: <|turn>role ... <turn|>, 'model' for the assistant; <|image|> per image
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<|turn>' + role + '\\n' }}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<|image|>{% else %}"
+    "{{ c['text'] | trim }}{% endif %}{% endfor %}{{ '<turn|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}"
+)
 MISTRAL3_CHAT_TEMPLATE = (  # Mistral-Small-3.1: [INST]...[/INST]answer</s>, the image as [IMG]
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}[INST]"
     "{% for c in message['content'] %}{% if c['type'] == 'image' %}[IMG]{% else %}{{ c['text'] }}"
@@ -91,6 +110,28 @@ GEMMA3_TOKENS = {
     "image_token": "<image_soft_token>",
 }
 MISTRAL3_TOKENS = ["[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+GLM4V_TOKENS = [
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|begin_of_image|>",
+    "<|image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|video|>",
+    "<|end_of_video|>",
+]
+GEMMA4_TURN_TOKENS = ["<|turn>", "<turn|>", "<|video|>"]  # Gemma4Processor adds <|video|> if it is missing
+GEMMA4_TOKENS = {  # what Gemma4Processor reads from its tokenizer (audio ones included: it checks them)
+    "image_token": "<|image|>",
+    "boi_token": "<|image>",
+    "eoi_token": "<image|>",
+    "audio_token": "<|audio|>",
+    "boa_token": "<|audio>",
+    "eoa_token": "<audio|>",
+}
 INTERNVL_TOKENS = {
     "start_image_token": "<img>",
     "end_image_token": "</img>",
@@ -130,3 +171,49 @@ def build_tokenizer(
         **({"model_specific_special_tokens": named_tokens} if named_tokens else {}),
     )
     return tokenizer
+
+
+# Qwen2's pre-tokenizer pattern (the Qwen family's tokenizer.json): words with their leading space, numbers
+# one digit at a time, punctuation runs, whitespace.
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def build_byte_level_tokenizer(extra_words: list[str] | tuple[str, ...] = ()):
+    """Qwen's byte-level BPE over the demo's vocabulary, for the families whose folders transformers loads
+    with its own BPE class whatever tokenizer_config.json says (Qwen3.5: `Qwen3_5Tokenizer` rebuilds its
+    pipeline from the folder's vocabulary and merges, so a word-level vocabulary would lose every word).
+
+    Trained here on the demo's words, with and without a leading space, so that each is one token; the
+    special tokens are `build_tokenizer`'s, so the chat templates and processors find the same ones.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    words = WORDS + DIGIT_NAMES + list(extra_words)
+    trainer = trainers.BpeTrainer(
+        vocab_size=4096,  # an upper bound: merging stops once every word is one token
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator([w for word in words for w in (word, " " + word)], trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=SPECIAL_TOKENS[4:],
+    )

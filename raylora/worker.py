@@ -24,10 +24,10 @@ import torch
 import torch.distributed as dist
 from transformers import get_cosine_schedule_with_warmup
 
-from raylora import checkpoint, console, determinism, failures, hub, resume, zero
+from raylora import checkpoint, console, determinism, failures, hub, moe, resume, zero
 from raylora.arch import Architecture, for_model
 from raylora.config import Config
-from raylora.data import lengths, packing
+from raylora.data import lengths, packing, video
 from raylora.data.batches import (
     budgeted_micro_batches,
     check_max_length,
@@ -36,6 +36,7 @@ from raylora.data.batches import (
     read,
     sorted_micro_batches,
     stand_in_micro_batch,
+    use_video_stand_in,
 )
 from raylora.data.formats import BadRow, Rows, open_rows
 from raylora.data.labels import Decoded, check_chat_template
@@ -85,6 +86,8 @@ class Setup:
     rope_index: object = None
     cpu_group: object = None
     stand_in: tuple[dict, dict] | None = None
+    # mixture-of-experts models whose forward computes a load-balancing loss: its weight (raylora.moe)
+    aux_coef: float | None = None
 
 
 def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | None) -> Setup:
@@ -130,6 +133,8 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | Non
         cfg.model.trust_remote_code,
     )
     check_chat_template(processor)  # a template whose turns cannot be labelled fails the start, not a step
+    # before any batch: every rank's passes alike
+    use_video_stand_in(processor, d.video_stand_in, video.Sampling.of(d))
     if cfg.data.max_length is not None:
         check_max_length(processor, cfg.data.max_length)
     s = Setup(
@@ -151,6 +156,7 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | Non
         restarts=started[0] - 1,
         eval_data=open_rows(cfg.data.eval, d.format, d.image_root) if cfg.train.eval_every else None,
     )
+    s.aux_coef = moe.aux_loss_coef(engine.module)
     if cfg.train.packing:
         s.rope_index = packing.rope_index_of(engine.module)
     if cfg.uneven_passes:
@@ -186,7 +192,7 @@ def train_step(s: Setup) -> dict[str, float]:
     # Collectives carry tensors on the device the process group serves: NCCL (GPU) rejects CPU tensors.
     # One small all_reduce before the first backward: the loss is normalised by the global batch's answer
     # tokens, which only the built batches know (multi-turn, skipped and bad samples, rows read lazily).
-    counts = [built.tokens, built.too_long, built.bad_rows, built.positions]
+    counts = [built.tokens, built.too_long, built.bad_rows, built.positions, len(built.batches)]
     counts = to_device({"counts": torch.tensor(counts, dtype=torch.float64)}, device)["counts"]
     dist.all_reduce(counts)
     # The loss is a mean over the global batch's answer tokens. DeepSpeed divides by the accumulation
@@ -197,7 +203,12 @@ def train_step(s: Setup) -> dict[str, float]:
     # token anywhere gets a scale of 0 and is refused below, before anything is saved or reported.
     scale = torch.where(counts[0] > 0, s.world_size * cfg.grad_accum_steps(s.world_size) / counts[0], 0.0)
     scale = scale.float()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    # A MoE model's load-balancing loss is a mean over each pass's tokens: averaged over the global batch's
+    # passes (not the stand-ins), which in the same frame as above is a scale of world * accumulation /
+    # passes (1 for padded micro batches), so that a step's loss does not depend on the worker count.
+    aux_scale = torch.where(counts[4] > 0, s.world_size * cfg.grad_accum_steps(s.world_size) / counts[4], 0.0)
+    aux_scale = aux_scale.float()
+    loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # answer-token loss, load-balancing loss
     passes = list(zip(built.batches, built.positions_of, strict=True))
     if cfg.uneven_passes:  # every rank runs as many passes as the rank with the most
         most = torch.tensor([len(passes)])
@@ -207,13 +218,20 @@ def train_step(s: Setup) -> dict[str, float]:
         if cfg.uneven_passes:  # the optimizer steps after the last pass, however many there are
             engine.set_gradient_accumulation_boundary(k == len(passes) - 1)
         batch, positions = to_device(batch, device), to_device(dict(positions), device)
-        token_loss = answer_token_losses(engine, batch, positions.pop("labels"), positions)[0].sum()
-        engine.backward(token_loss * scale)
+        aux = [] if s.aux_coef is not None else None
+        token_loss = answer_token_losses(engine, batch, positions.pop("labels"), positions, aux)[0].sum()
+        objective = token_loss * scale
+        loss_sum[0] += token_loss.detach()
+        if aux and k < len(built.batches):  # a stand-in pass adds nothing
+            objective = objective + s.aux_coef * aux_scale * aux[0].float()
+            loss_sum[1] += aux[0].detach()
+        engine.backward(objective)
         engine.step()
-        loss_sum += token_loss.detach()
     dist.all_reduce(loss_sum)
     # the step's one read of the device
-    global_tokens, too_long, bad_rows, positions_done, loss = torch.cat([counts, loss_sum[None]]).tolist()
+    global_tokens, too_long, bad_rows, positions_done, passes, loss, aux_loss = torch.cat(
+        [counts, loss_sum]
+    ).tolist()
     # Every sample skipped: the counts are global, so every rank raises here, at the same step.
     if global_tokens == 0:
         raise failures.PermanentError(nothing_to_train(s, step, built, counts))
@@ -232,6 +250,7 @@ def train_step(s: Setup) -> dict[str, float]:
         "world_size": s.world_size,  # changes within a run when an elastic [min, max] group is resized
         "bad_rows": int(bad_rows),  # rows of this step that do not read, decode or encode, skipped
         "too_long": int(too_long),  # samples of this step longer than data.max_length, skipped
+        **({"aux_loss": aux_loss / passes} if s.aux_coef is not None and passes else {}),
     }
 
 
@@ -353,7 +372,7 @@ def _read(s: Setup, i: int, bad: list[tuple[int, str]] | None = None) -> Decoded
     """Row `i` decoded, or None (its slot gets the stand-in) for a bad row under data.on_bad_row: skip,
     which goes into `bad` with its reason."""
     try:
-        return read(s.data, i)
+        return read(s.data, i, video.Sampling.of(s.cfg.data))
     except BadRow as err:
         _bad_row(s, i, err.reason, bad, cause=err)
         return None

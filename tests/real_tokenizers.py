@@ -68,9 +68,12 @@ def sentencepiece_llama(extra_special: tuple[str, ...] = ("<image>",)) -> PreTra
     return fast
 
 
-def sentencepiece_gemma(named: dict[str, str]) -> PreTrainedTokenizerFast:
-    """`named`: the image tokens Gemma3's processor reads as tokenizer attributes (boi_token, ...)."""
-    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", *named.values()]
+def sentencepiece_gemma(
+    named: dict[str, str], turns: tuple[str, ...] = ("<start_of_turn>", "<end_of_turn>")
+) -> PreTrainedTokenizerFast:
+    """`named`: the image tokens Gemma3's processor reads as tokenizer attributes (boi_token, ...);
+    `turns`: the turn tokens (Gemma 4: `<|turn>`, `<turn|>`, and the `<|video|>` its processor adds)."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", *turns, *named.values()]
     tok = _sentencepiece(False, specials)
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
@@ -122,6 +125,31 @@ def byte_level_qwen() -> PreTrainedTokenizerFast:
     tok.normalizer = normalizers.NFC()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:]})
+    return fast
+
+
+GLM_SPECIALS = [
+    "<|endoftext|>",
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|video|>",
+    "<|end_of_video|>",
+]
+
+
+def byte_level_glm() -> PreTrainedTokenizerFast:
+    """GLM-4's byte-level BPE (cl100k-style split, as Qwen's), no BOS, `<|endoftext|>` as EOS and padding."""
+    tok = _byte_level(GLM_SPECIALS, QWEN_SPLIT)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": GLM_SPECIALS[1:]})
     return fast
 
 
@@ -215,4 +243,32 @@ GEMMA3_TEMPLATE = (
     "{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
     "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}"
     "{{ '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %}"
+)
+# zai-org/GLM-4.1V-9B-Thinking's shape: `[gMASK]<sop>`, each turn opened by its role token and a line break,
+# images as `<|begin_of_image|><|image|><|end_of_image|>`, and nothing after an answer: the next turn's role
+# token ends it, so raylora adds and trains the EOS (GLM's generation config stops at `<|endoftext|>` too).
+GLM4V_TEMPLATE = (
+    "[gMASK]<sop>{%- for msg in messages %}{%- if msg.role == 'system' %}<|system|>\n"
+    "{%- if msg.content is string %}{{ msg.content }}{%- else %}{%- for item in msg.content %}"
+    "{%- if item.type == 'text' %}{{ item.text }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- elif msg.role == 'user' %}<|user|>\n{%- if msg.content is string %}{{ msg.content }}{%- else %}"
+    "{%- for item in msg.content %}{%- if item.type == 'video' or 'video' in item %}"
+    "<|begin_of_video|><|video|><|end_of_video|>"
+    "{%- elif item.type == 'image' or 'image' in item %}<|begin_of_image|><|image|><|end_of_image|>"
+    "{%- elif item.type == 'text' %}{{ item.text }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- elif msg.role == 'assistant' %}<|assistant|>\n{%- if msg.content is string %}{{ msg.content }}"
+    "{%- else %}{%- for item in msg.content %}{%- if item.type == 'text' %}{{ item.text }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{%- endif %}"
+)
+# google/gemma-4-*-it's turn shape (as LLaMA-Factory's gemma4 template writes it): BOS, `<|turn>role`, a line
+# break, the content, `<turn|>` and a line break; 'model' for the assistant; an image as `<|image|>`, which
+# the processor expands to `<|image>` + soft tokens + `<image|>`.
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<|turn>' + role + '\n' }}{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ '<|image|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<turn|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|turn>model\n' }}{% endif %}"
 )

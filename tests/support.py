@@ -371,9 +371,10 @@ def train_and_save(cfg, steps: int, out: str | Path, keep: bool = False) -> list
 
 def resume_probe(cfg, steps: int, folder: str | Path) -> dict:
     """On each Ray Train worker: train `steps` steps, save the checkpoint to `folder` (rank 0 moves it
-    there), train one step more; then build a fresh engine restored from `folder` and train that step
-    again. Rank 0 returns each step's metrics and whether the resumed step's loss, fp32 masters and Adam
-    moments equal the uninterrupted ones bit for bit (what a killed and restarted worker resumes from)."""
+    there), train one step more; then build a fresh engine restored from `folder`, read back what it holds
+    (`restored`: as `restore_probe` returns it), and train that step again. Rank 0 returns each step's
+    metrics and whether the resumed step's loss, fp32 masters and Adam moments equal the uninterrupted
+    ones bit for bit (what a killed and restarted worker resumes from)."""
     import torch
 
     from raylora import checkpoint, zero
@@ -385,7 +386,9 @@ def resume_probe(cfg, steps: int, folder: str | Path) -> dict:
     uninterrupted = zero.gather_trainable_state(s.engine, s.params)  # on rank 0, None elsewhere
     s.engine.destroy()
     del s
-    resumed_setup = setup(cfg, checkpoint.load(folder))
+    loaded = checkpoint.load(folder)
+    resumed_setup = setup(cfg, loaded)
+    restored = _restored(resumed_setup, loaded)
     resumed = train_step(resumed_setup)
     again = zero.gather_trainable_state(resumed_setup.engine, resumed_setup.params)
     if resumed_setup.rank != 0:
@@ -393,6 +396,7 @@ def resume_probe(cfg, steps: int, folder: str | Path) -> dict:
     (masters, moments), (got_masters, got_moments) = uninterrupted, again
     return {
         "metrics": [*metrics, straight],
+        "restored": restored,
         "resumed": resumed,
         "masters_equal": masters.keys() == got_masters.keys()
         and all(torch.equal(v, got_masters[n]) for n, v in masters.items()),
@@ -405,14 +409,21 @@ def restore_probe(cfg, folder: str | Path, examples: list | None = None) -> dict
     """On each Ray Train worker: restore from `folder` as `worker.setup` does, then read back what the
     engine holds before any step (and, given `examples`, the restored ZeRO-3 model's logits on them, in
     eval mode); rank 0 returns whether each part equals the checkpoint, the others `{}`."""
-    import torch
-
-    from raylora import checkpoint, zero
-    from raylora.data.batches import make_batch
+    from raylora import checkpoint
     from raylora.worker import setup
 
     loaded = checkpoint.load(folder)
-    s = setup(cfg, loaded)
+    return _restored(setup(cfg, loaded), loaded, examples)
+
+
+def _restored(s, loaded, examples: list | None = None) -> dict:
+    """What the restored engine of Setup `s` holds against checkpoint `loaded`, before any step (every rank
+    calls it; rank 0 gets the answer, the others `{}`)."""
+    import torch
+
+    from raylora import zero
+    from raylora.data.batches import make_batch
+
     model_values = read_params(s.params)
     gathered = zero.gather_trainable_state(s.engine, s.params)
     logits = None
@@ -423,6 +434,7 @@ def restore_probe(cfg, folder: str | Path, examples: list | None = None) -> dict
         with torch.no_grad():
             logits = s.engine.module(**{k: v.to(s.engine.device) for k, v in batch.items()}).logits
         logits = logits.cpu().numpy()  # Ray Train refuses tensors in a training function's return value
+        s.engine.module.train()
     if s.rank != 0:
         return {}
     masters, moments = gathered
@@ -558,7 +570,10 @@ def make_remote_code_model(llava_dir: str | Path, out: Path, legacy_names: bool 
 
     Its weights are saved under the names of its modules, as a remote-code model's files are. With
     `legacy_names` they keep the names transformers writes for Llava (`language_model.lm_head.weight`),
-    which only Llava's own model type maps back: the remote class then lacks its lm_head."""
+    which only Llava's own model type maps back: the remote class then lacks its lm_head.
+
+    A folder whose code behaves like Phi-3-vision's (written for transformers 4) is
+    `tests.phi3v_fixture.make_phi3v_model`."""
     from safetensors.torch import save_file
     from transformers import AutoModelForImageTextToText
 

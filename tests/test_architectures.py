@@ -17,17 +17,35 @@ import torch.nn.functional as F
 from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint
-from raylora.arch import REGISTRY, Architecture, detect, lora_target_regex
+from raylora.arch import REGISTRY, Architecture, detect, lora_targets
 from raylora.assets import TINY_ARCHS
 from raylora.data.batches import make_batch
 from raylora.data.labels import IGNORE_INDEX
 from raylora.data.processor import load_processor
-from tests.support import restore_probe, resume_probe, tiny_run_config
-from tests.test_batches import ANSWERS, END_OF_TURN, SAMPLES
+from tests.support import resume_probe, tiny_run_config
+from tests.test_batches import ANSWERS, END_OF_TURN, SAMPLES, unspaced
 
 PARTS = ("language_model", "vision_tower", "aligner")
 # llava and qwen2_vl go through tests/test_resume.py
-NEWER_ARCHS = ["qwen2_5_vl", "qwen3_vl", "idefics3", "gemma3", "internvl", "mistral3"]
+NEWER_ARCHS = [
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "glm4v",
+    "glm4v_moe",
+    "glm46v",
+    "idefics3",
+    "gemma3",
+    "gemma4",
+    "internvl",
+    "mistral3",
+]
+
+
+# Mixture-of-experts models: LoRA on the fused experts (PEFT's target_parameters) takes no dropout.
+MOE = {arch: ("lora.dropout=0",) for arch in ("qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe")}
 
 
 def test_tested_architectures_are_the_tiny_ones():
@@ -44,11 +62,14 @@ def _check_prefixes(model: torch.nn.Module, arch: Architecture) -> None:
             assert any(n.startswith(prefix + ".") and arch.part_of(n) == part for n in names), (
                 f"{prefix} is shadowed by another part's prefix"
             )
-    regex = re.compile(lora_target_regex(model, arch, None))
+    pattern, experts = lora_targets(model, arch, None)
+    regex = re.compile(pattern)
     targets = [n for n, _ in model.named_modules() if regex.match(n)]
     assert targets, "no LoRA targets"
+    # a mixture of experts: its fused expert tensors are the MLP's targets, under the language model
+    assert all(arch.part_of(n) == "language_model" and ".experts." in n for n in experts)
     assert all(arch.part_of(n + ".weight") == "language_model" for n in targets)
-    assert any(".self_attn." in n for n in targets) and any(".mlp." in n for n in targets)
+    assert any(".self_attn." in n for n in targets) and any(".mlp." in n for n in targets + experts)
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
@@ -72,7 +93,8 @@ def test_batch_feeds_forward_and_every_part_learns(arch, tiny_models):
     labels = batch.pop("labels")
     tok = processor.tokenizer
     for row, answers in zip(labels, ANSWERS, strict=True):
-        assert tok.decode(row[row != IGNORE_INDEX]) == " ".join(f"{a} {END_OF_TURN[arch]}" for a in answers)
+        expected = " ".join(f"{a} {END_OF_TURN[arch]}" for a in answers)
+        assert unspaced(tok.decode(row[row != IGNORE_INDEX])) == unspaced(expected)
     model.train()
     logits = model(**batch).logits
     assert logits.shape[:2] == labels.shape
@@ -91,6 +113,44 @@ def test_batch_feeds_forward_and_every_part_learns(arch, tiny_models):
     assert out.shape[0] == len(examples) and out.shape[1] > prompts["input_ids"].shape[1]
 
 
+def test_gemma4_entry_serves_its_mixture_of_experts_checkpoints(tmp_path):
+    """Gemma 4's MoE checkpoints are model_type `gemma4` with `enable_moe_block`: fused experts beside the
+    dense MLP of each layer, a `router` whose projection is an nn.Linear. The entry names their parts, LoRA
+    reaches the experts (raylora.moe) and never the router, and a batch trains every part and generates."""
+    from raylora import moe
+    from raylora.assets import make_tiny_model
+
+    folder = str(make_tiny_model(tmp_path / "gemma4_moe", "gemma4", moe=True))
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    arch = REGISTRY["gemma4"]
+    regex, experts = lora_targets(model, arch, None)
+    layers = model.config.text_config.num_hidden_layers
+    assert sorted(experts) == sorted(
+        f"model.language_model.layers.{i}.experts.{leaf}"
+        for i in range(layers)
+        for leaf in ("gate_up_proj", "down_proj")
+    )
+    routers = moe.router_modules(model, arch)
+    assert routers == [f"model.language_model.layers.{i}.router" for i in range(layers)]
+    assert not any(re.match(regex, n) for n, _ in model.named_modules() if n.startswith(tuple(routers)))
+    test_registry_prefixes_match_tiny_model("gemma4", lambda arch: folder)
+    test_batch_feeds_forward_and_every_part_learns("gemma4", lambda arch: folder)
+
+
+def test_internvl_entry_serves_internvl3_5_folders_with_a_qwen3_text_model(tmp_path):
+    """InternVL3.5's -HF folders are model_type `internvl` (InternVLForConditionalGeneration) around a
+    Qwen3 text model (q/k norms, explicit head_dim): the `internvl` entry names their parts, and a batch
+    trains every part and generates, as for InternVL3's Qwen2."""
+    from raylora.assets import make_tiny_model
+
+    folder = str(make_tiny_model(tmp_path / "internvl3_5", "internvl", text_model="qwen3"))
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    assert model.config.text_config.model_type == "qwen3"
+    assert any(n.endswith(".self_attn.q_norm.weight") for n, _ in model.named_parameters())
+    test_registry_prefixes_match_tiny_model("internvl", lambda arch: folder)
+    test_batch_feeds_forward_and_every_part_learns("internvl", lambda arch: folder)
+
+
 @pytest.fixture(scope="module")
 def round_trips(ray_cluster, probes, tiny_models, digits, tmp_path_factory):
     """Each newer architecture trained 2 steps, its step-2 checkpoint restored into a fresh engine, and
@@ -98,37 +158,30 @@ def round_trips(ray_cluster, probes, tiny_models, digits, tmp_path_factory):
     workers (a worker group's start is most of a tiny run's time). A real kill and restart goes through
     the same restore (tests/test_resume.py, tests/test_faults.py)."""
     storage = tmp_path_factory.mktemp("round-trips")
-    overrides = ["train.max_steps=3", "train.checkpoint_every=2"]
-    runs = [
-        (
-            arch,
-            tiny_run_config(tiny_models(arch), digits[0], storage, f"two-steps-{arch}", *overrides),
-            tiny_run_config(tiny_models(arch), digits[0], storage, f"probe-{arch}", *overrides),
-            storage / f"checkpoint-{arch}",
-        )
-        for arch in NEWER_ARCHS
-    ]
 
-    def each():
-        return {
-            arch: (resume_probe(cfg, 2, folder), restore_probe(probe, folder))
-            for arch, cfg, probe, folder in runs
-        }
+    def config(arch: str):
+        extra = ("train.max_steps=3", "train.checkpoint_every=2", *MOE.get(arch, ()))
+        return tiny_run_config(tiny_models(arch), digits[0], storage, f"two-steps-{arch}", *extra)
 
-    done = probes(each)
-    return {arch: (*done[arch], folder) for arch, _, _, folder in runs}
+    runs = [(arch, config(arch), storage / f"checkpoint-{arch}") for arch in NEWER_ARCHS]
+    done = probes(lambda: {arch: resume_probe(cfg, 2, folder) for arch, cfg, folder in runs})
+    return {arch: (done[arch], folder) for arch, _, folder in runs}
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", NEWER_ARCHS)
 def test_zero3_two_steps_then_restore_equals_checkpoint_and_resumes_bitwise(arch, round_trips):
-    resumed, probe, folder = round_trips[arch]
+    resumed, folder = round_trips[arch]
+    probe = resumed["restored"]  # the restored engine before its first step
     metrics = resumed["metrics"]
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(math.isfinite(m["loss"]) for m in metrics)
     # step 3 from the restored engine is step 3 of the uninterrupted run, bit for bit
     assert resumed["resumed"]["step"] == 3 and resumed["resumed"]["loss"] == metrics[2]["loss"]
     assert resumed["masters_equal"] and resumed["moments_equal"]
+    # a mixture of experts trains its load-balancing loss beside the answers' (raylora.moe)
+    assert all(("aux_loss" in m) == (arch in MOE) for m in metrics)
+    assert all(m["aux_loss"] > 0 for m in metrics if arch in MOE)
     loaded = checkpoint.load(folder)
     assert loaded.state.step == 2
     entry = REGISTRY[arch]

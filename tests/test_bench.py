@@ -37,7 +37,7 @@ def smoke(tmp_path_factory):
     out, work = tmp_path_factory.mktemp("bench-results"), tmp_path_factory.mktemp("bench-work")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "smoke.py"), "--out", str(out), "--work", str(work)]
-        + ["on_paper", "padding", "padding --turns 2", *RAY_SCRIPTS]
+        + ["on_paper", "padding", "padding --turns 2", "gpu_throughput", *RAY_SCRIPTS]
         + ["throughput --where", "throughput --floor"],
         cwd=ROOT,
         env={**os.environ, **RAY_TEST_ENV},
@@ -227,7 +227,7 @@ def test_throughput_where_takes_turns_in_each_comparison(smoke):
 @pytest.mark.slow
 def test_on_paper_runs_tiny(smoke):
     result = _result(smoke, "on_paper")
-    frozen, trained = result["models"]
+    frozen, trained, moe = result["models"]
     assert frozen["lora_params"] == 39_976_960  # llava-1.5-7b, r=16 on q,k,v,o,gate,up,down of 32 layers
     assert trained["trainable_params"] > frozen["trainable_params"]
     llava = result["memory_per_gpu"][0]
@@ -237,6 +237,31 @@ def test_on_paper_runs_tiny(smoke):
     shipped, no_checkpointing = scenarios["shipped"], scenarios["gradient_checkpointing off"]
     assert shipped["gradient_checkpointing"] and shipped["fits"]["80 GB"]
     assert no_checkpointing["activations_gb"] > 10 * shipped["activations_gb"]
+    # Qwen3-VL-30B-A3B: PEFT's rank r per expert on both fused expert tensors of its 48 layers, lora_A
+    # [r x 128, in] and lora_B [out, r x 128]: (2048 + 1536) for gate_up_proj, (768 + 2048) for down_proj
+    assert moe["model"] == "Qwen3-VL-30B-A3B-Instruct"
+    assert moe["expert_lora_params"] == 48 * 16 * 128 * ((2048 + 1536) + (768 + 2048)) == 629_145_600
+    assert moe["raylora_checkpoint_gb"] > 12 * moe["expert_lora_params"] / 1e9  # several GB
+    scenarios = result["memory_per_gpu"][1]["scenarios"]
+    per_layer = 2 * 128 * (1536 * 2048 + 2048 * 768)  # W + dW of one layer's experts, bf16
+    assert scenarios["shipped"]["expert_weights"]["bytes"] == 2 * per_layer  # and one layer's gradient
+    assert scenarios["gradient_checkpointing off"]["expert_weights"]["bytes"] == 49 * per_layer
+    assert scenarios["shipped"]["fits"]["80 GB"]
+    assert not scenarios["gradient_checkpointing off"]["fits"]["80 GB"]
+
+
+@pytest.mark.slow
+def test_gpu_throughput_runs_tiny(smoke):
+    """bench/gpu_throughput.py --tiny, on the CPU: raylora's step padded and packed and the HF Trainer's
+    train the same rows and count the same tokens per step (within the rows each side draws)."""
+    result = _result(smoke, "gpu_throughput")
+    sides = result["sides"]
+    assert set(sides) == {"raylora_padded", "raylora_packed", "hf_trainer"}
+    for side in sides.values():
+        assert side["tokens_per_s"] > 0 and side["mfu"] is None  # no GPU, no peak to divide by
+        assert side["tokens_per_step"]["median"] > 0
+    assert result["flops"]["model_flops_per_token"] < result["flops"]["hardware_flops_per_token"]
+    assert set(result["ratios"]) == {"raylora_padded_over_hf_trainer", "raylora_packed_over_hf_trainer"}
 
 
 @pytest.mark.slow

@@ -150,7 +150,8 @@ def test_setup_downloads_pinned_models_or_fails():
         assert re.search(r" --revision [0-9a-f]{40}( |$)", command), command
         local_dirs.add(re.search(r" --local-dir (\S+)", command).group(1))
     assert any("mkdir -p /mnt/models" in c and "chown" in c for c in commands)  # the ubuntu user writes there
-    for job in ("llava-1.5-7b.yaml", "qwen2-vl-7b.yaml"):  # the shipped 7B jobs train what setup downloads
+    # the shipped GPU jobs train what setup downloads
+    for job in ("llava-1.5-7b.yaml", "qwen2-vl-7b.yaml", "qwen3-vl-8b.yaml", "qwen3-vl-30b-a3b.yaml"):
         assert yaml.safe_load((ROOT / "jobs" / job).read_text())["model"]["path"] in local_dirs
 
 

@@ -74,8 +74,12 @@ def test_missing_model_folder_and_bad_parquet(tmp_path, tiny_models, digits):
     pq.write_table(pa.table({"image": [b"x"], "question": ["q"]}), bad)
     with pytest.raises(ConfigError, match="no known format; its fields: image, question"):
         preflight(config.load(None, _base(model, bad)))
-    with pytest.raises(ConfigError, match="model.arch: unsupported architecture 'blip'"):
+    # a model type transformers ships: the message says so, and how to name the parts (lists included)
+    shipped = r"unsupported architecture 'blip', which transformers \S+ ships but raylora does not register"
+    with pytest.raises(ConfigError, match=rf"model.arch: {shipped}.*each one prefix or a list of them"):
         preflight(config.load(None, _base(model, digits[0]) + ["model.arch=blip"]))
+    with pytest.raises(ConfigError, match=r"unsupported architecture 'mine' \(supported: .*gemma4.*glm4v"):
+        preflight(config.load(None, _base(model, digits[0]) + ["model.arch=mine"]))
     assert preflight(config.load(None, _base(model, digits[0]))).model_type == "llava"
 
 

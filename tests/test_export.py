@@ -74,12 +74,20 @@ def make_checkpoint(folder: Path, model_dir: str, train_file, *overrides: str) -
     return folder
 
 
-@pytest.fixture(scope="module", params=["llava", "qwen2_vl"])
+# Mixture-of-experts models: LoRA on the experts takes no dropout (raylora.moe).
+OVERRIDES = {"qwen3_vl_moe": ("lora.dropout=0",)}
+
+
+EXPORTED = ["llava", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v", "glm46v", "gemma4"]
+
+
+@pytest.fixture(scope="module", params=EXPORTED)
 def trained(request, tiny_models, digits, tmp_path_factory):
     """(arch, model folder, checkpoint folder) with LoRA and vision tower / aligner trained."""
     model_dir = tiny_models(request.param)
     folder = tmp_path_factory.mktemp(f"ckpt-{request.param}")
-    return request.param, model_dir, make_checkpoint(folder, model_dir, digits[0])
+    overrides = OVERRIDES.get(request.param, ())
+    return request.param, model_dir, make_checkpoint(folder, model_dir, digits[0], *overrides)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,9 @@
 """`make gpu-check`: the GPU path on real CUDA devices, skipped (not failed) on a machine without them.
 
 On 1 GPU one worker, on 2 or more two workers, one GPU each: Ray Train's NCCL process group, bf16,
-tiny Llava and Qwen2-VL. Each check prints one line (`pytest -v`):
+tiny Llava and Qwen2-VL, and the newer families: Qwen3-VL (dense) and Qwen3-VL-MoE (LoRA on its fused
+experts, gathered by ZeRO-3 inside the engine's forward; the load-balancing loss). Each check prints one
+line (`pytest -v`):
 - collectives: one step and a checkpoint gather run on NCCL with device tensors, weights in bf16 on CUDA,
   with the GPU settings in force on the worker (ZeRO-3's overlap_comm, train.deterministic's flags);
 - kernels: under train.deterministic, attention (memory-efficient with a padding mask, flash, and torch's
@@ -47,8 +49,13 @@ def _relative_l2(reference: dict[str, torch.Tensor], got: dict[str, torch.Tensor
     return (diff / sum(float(t.double().pow(2).sum()) for t in reference.values())) ** 0.5
 
 
-def _overrides(*extra: str) -> list[str]:
+# Mixture-of-experts models: LoRA on the fused experts (PEFT's target_parameters) takes no dropout.
+ARCH_OVERRIDES = {"qwen3_vl_moe": ("lora.dropout=0",)}
+
+
+def _overrides(*extra: str, arch: str | None = None) -> list[str]:
     return [
+        *ARCH_OVERRIDES.get(arch, ()),
         "scaling.use_gpu=true",  # bf16 by default on GPU
         f"scaling.num_workers={WORKERS}",
         f"train.global_batch_size={4 * WORKERS}",
@@ -115,9 +122,9 @@ def test_gpu_step_waits_for_the_device_once(ray_cluster, tiny_models, digits, tm
     assert len(ours) == 1 and f"raylora{os.sep}worker.py:" in ours[0], ours
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe"])
 def test_gpu_collectives_on_nccl_in_bf16(arch, ray_cluster, tiny_models, digits, tmp_path):
-    cfg = tiny_run_config(tiny_models(arch), digits[0], tmp_path, f"gpu-probe-{arch}", *_overrides())
+    cfg = tiny_run_config(tiny_models(arch), digits[0], tmp_path, f"gpu-probe-{arch}", *_overrides(arch=arch))
     info = on_workers(
         lambda: _collective_probe(cfg), tmp_path, f"gpu-probe-{arch}", num_workers=WORKERS, use_gpu=True
     )
@@ -172,15 +179,28 @@ def test_gpu_kernels_repeat_bit_for_bit_when_deterministic(kernel):
         assert torch.equal(a, b), f"{kernel}: two runs differ under train.deterministic"
 
 
-@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "nondeterministic"])
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+# The newer families bit for bit only (train.deterministic, the default): each case is two Ray runs.
+KILL_AND_RESUME = [
+    *[(arch, deterministic) for arch in ("llava", "qwen2_vl") for deterministic in (True, False)],
+    ("qwen3_vl", True),
+    ("qwen3_vl_moe", True),
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "deterministic"),
+    KILL_AND_RESUME,
+    ids=[f"{a}-{'deterministic' if d else 'nondeterministic'}" for a, d in KILL_AND_RESUME],
+)
 def test_gpu_kill_and_resume_equals_uninterrupted(
     arch, deterministic, ray_cluster, tiny_models, digits, tmp_path
 ):
     model, setting = tiny_models(arch), f"train.deterministic={str(deterministic).lower()}"
-    straight = run(tiny_run_config(model, digits[0], tmp_path, "straight", *_overrides(setting)))
+    straight = run(tiny_run_config(model, digits[0], tmp_path, "straight", *_overrides(setting, arch=arch)))
     killed = run(
-        tiny_run_config(model, digits[0], tmp_path, "killed", *_overrides(setting, "fault.kill_at_steps=2"))
+        tiny_run_config(
+            model, digits[0], tmp_path, "killed", *_overrides(setting, "fault.kill_at_steps=2", arch=arch)
+        )
     )
     assert straight.error is None and killed.error is None
     with straight.checkpoint.as_directory() as a, killed.checkpoint.as_directory() as b:
@@ -205,7 +225,7 @@ def _flash_attn_imports() -> bool:
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen3_vl"])
 def test_gpu_packed_row_gives_the_padded_loss_and_gradients(arch, attn):
     """train.packing on CUDA: sdpa under the packed mask in fp32 (1e-5, as on the CPU), and
     flash_attention_2's varlen path, which transformers takes from the restarting position ids, in bf16

@@ -23,7 +23,7 @@ from PIL import Image
 
 import raylora.data.processor as processor_module
 from raylora.assets import make_tiny_model
-from tests.real_tokenizers import LLAVA_15_TEMPLATE, QWEN2_VL_TEMPLATE
+from tests.real_tokenizers import LLAVA_15_TEMPLATE, QWEN2_VL_TEMPLATE, QWEN3_VL_TEMPLATE
 
 CORPUS = [
     "You are a helpful assistant.",
@@ -32,10 +32,12 @@ CORPUS = [
     "USER: What is shown here? ASSISTANT: A handwritten digit, 0 1 2 3 4 5 6 7 8 9.",
 ] * 20
 QUESTION = "Which digit is this?"
-IMAGE_TOKENS = {"qwen2_vl": 4, "qwen2_5_vl": 4, "llava": 16}  # 16x16 px: 4x4 patches, merged 2x2 for Qwen
+# 16x16 px: 4x4 patches, merged 2x2 for Qwen
+IMAGE_TOKENS = {"qwen2_vl": 4, "qwen2_5_vl": 4, "qwen3_vl": 4, "llava": 16}
 PROCESSOR_CLASS = {
     "qwen2_vl": "Qwen2VLProcessor",
     "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    "qwen3_vl": "Qwen3VLProcessor",
     "llava": "LlavaProcessor",
 }
 
@@ -59,6 +61,7 @@ LAYOUTS = [
     ("qwen2_5_vl", "chat_template.json", "tokenizer.json", True),
     ("qwen2_5_vl", "chat_template.jinja", "vocab+merges", False),
     ("qwen2_5_vl", "tokenizer_config.json", "vocab+merges", False),
+    ("qwen3_vl", "chat_template.json", "tokenizer.json", True),  # Qwen3-VL-8B-Instruct as the Hub has it
     ("llava", "chat_template.json", "tokenizer.model", False),
     ("llava", "tokenizer_config.json", "tokenizer.model", False),
 ]
@@ -128,14 +131,14 @@ def _qwen_files(folder: Path, arch: str, tokenizer_files: str, video_config: boo
         image_std=CLIP_STD,
         processor_class=PROCESSOR_CLASS[arch],
     )
-    _write_json(
-        folder / "preprocessor_config.json", shared | {"image_processor_type": "Qwen2VLImageProcessor"}
-    )
+    # Qwen3-VL's folders name the torchvision image processor by its transformers 4 name, and its own
+    # video processor (which samples frames and writes timestamps)
+    qwen3 = arch == "qwen3_vl"
+    image_type = "Qwen2VLImageProcessorFast" if qwen3 else "Qwen2VLImageProcessor"
+    _write_json(folder / "preprocessor_config.json", shared | {"image_processor_type": image_type})
     if video_config:
-        _write_json(
-            folder / "video_preprocessor_config.json",
-            shared | {"video_processor_type": "Qwen2VLVideoProcessor"},
-        )
+        video_type = "Qwen3VLVideoProcessor" if qwen3 else "Qwen2VLVideoProcessor"
+        _write_json(folder / "video_preprocessor_config.json", shared | {"video_processor_type": video_type})
     bpe = _byte_level_bpe()
     bpe.model.save(str(folder))  # vocab.json + merges.txt, the slow Qwen2Tokenizer's files
     n = bpe.get_vocab_size()
@@ -235,7 +238,7 @@ def hub_folder(tiny: Path, out: Path, arch: str, template: str, tokenizer_files:
         tokenizer_config = _llava_files(out)
     else:
         tokenizer_config = _qwen_files(out, arch, tokenizer_files, video)
-    chat_template = LLAVA_15_TEMPLATE if arch == "llava" else QWEN2_VL_TEMPLATE
+    chat_template = {"llava": LLAVA_15_TEMPLATE, "qwen3_vl": QWEN3_VL_TEMPLATE}.get(arch, QWEN2_VL_TEMPLATE)
     if template == "chat_template.json":
         _write_json(out / template, {"chat_template": chat_template})
     elif template == "chat_template.jinja":
@@ -275,8 +278,9 @@ def test_hub_layout_loads(tiny_folders, tmp_path, torchvision, arch, template, t
     assert type(processor).__name__ == PROCESSOR_CLASS[arch]
     if not torchvision:  # the image-only form: no video processor, which would need torchvision
         assert getattr(processor, "video_processor", None) is None
-    elif arch != "llava":  # the folder's video processor, as transformers loads it
-        assert type(processor.video_processor).__name__ == "Qwen2VLVideoProcessor"
+    elif arch != "llava" and video:  # the folder's video processor, as transformers loads it
+        expected = "Qwen3VLVideoProcessor" if arch == "qwen3_vl" else "Qwen2VLVideoProcessor"
+        assert type(processor.video_processor).__name__ == expected
 
     messages = [
         {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
@@ -296,8 +300,9 @@ def test_hub_layout_loads(tiny_folders, tmp_path, torchvision, arch, template, t
         sp = spm.SentencePieceProcessor(model_proto=(folder / "tokenizer.model").read_bytes())
         for piece in (QUESTION, "seven", "ASSISTANT: A handwritten digit, 7."):
             assert tokenizer.tokenize(piece) == sp.encode(piece, out_type=str)
-    else:
-        assert text.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    else:  # Qwen2-VL's and Qwen2.5-VL's default system prompt; none in Qwen3-VL's
+        system = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        assert text.startswith(system) != (arch == "qwen3_vl")
         bpe = _byte_level_bpe()
         for piece in (QUESTION, "seven", "The digit is seven."):
             assert tokenizer(piece, add_special_tokens=False).input_ids == bpe.encode(piece).ids

@@ -14,7 +14,7 @@ from PIL import Image
 from raylora.data.batches import make_batch
 from raylora.data.labels import encode, end_of_turn_ids
 from raylora.data.processor import load_processor
-from raylora.tiny_text import GEMMA3_TOKENS, IDEFICS3_TOKENS
+from raylora.tiny_text import GEMMA3_TOKENS, GEMMA4_TOKENS, GEMMA4_TURN_TOKENS, IDEFICS3_TOKENS
 from tests import real_tokenizers as rt
 from tests.support import labelled_runs
 
@@ -30,6 +30,13 @@ FAMILIES = {
         False,
     ),
     "gemma3": (lambda: rt.sentencepiece_gemma(GEMMA3_TOKENS), rt.GEMMA3_TEMPLATE, "<end_of_turn>", False),
+    "gemma4": (
+        lambda: rt.sentencepiece_gemma(GEMMA4_TOKENS, tuple(GEMMA4_TURN_TOKENS)),
+        rt.GEMMA4_TEMPLATE,
+        "<turn|>",
+        False,
+    ),
+    "glm4v": (rt.byte_level_glm, rt.GLM4V_TEMPLATE, "<|endoftext|>", True),
 }
 QUESTION = "Which digit is this ?"
 ANSWERS = ["seven", "three , a nine"]
@@ -111,7 +118,7 @@ def test_sentencepiece_answer_tokens_are_the_ones_inference_continues_into(proce
     assert answer == ["▁seven"]  # a piece tokenised alone would be ['▁', '▁seven']
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen3_vl", "gemma4", "glm4v"])
 def test_generation_prompt_is_the_training_prefix(arch, processors):
     """The prompt generation starts from is token for token what training put before the last answer."""
     processor = processors[arch]

@@ -3,10 +3,11 @@
 In one process (each tiny architecture, no DeepSpeed): the answer-token loss and every gradient of one
 packed row equal the padded batch's within 1e-5 relative, on multi-turn, two-image and text-only samples;
 Qwen2-VL's 3-D rotary positions are the per-sample ones (1-D positions give other numbers), and Gemma 3,
-whose packed row is not its padded batch, is refused before Ray starts. On 2 ZeRO-3 workers: one step
-packed against one step padded on every verified architecture (loss and Adam moments), and a packed run,
-and a padded one cut by a token budget, killed and resumed bitwise equal to an uninterrupted one (with
-train.group_by_length, whose sample order is tested here too, and ranks running stand-in passes).
+Gemma 4 (bidirectional image blocks) and Qwen3.5 (linear attention), whose packed rows are not their padded
+batches, are refused before Ray starts. On 2 ZeRO-3 workers: one step packed against one step padded on
+every verified architecture (loss and Adam moments), and a packed run, and a padded one cut by a token
+budget, killed and resumed bitwise equal to an uninterrupted one (with train.group_by_length, whose sample
+order is tested here too, and ranks running stand-in passes).
 """
 
 from __future__ import annotations
@@ -131,17 +132,61 @@ def test_gemma3_packed_row_is_not_its_padded_batch_so_packing_is_refused():
     assert _relative(loss, _loss_and_grads(model, row)[0]) > 1e-4
     assert packing.refusal("gemma3") == packing.REFUSED["gemma3"]
     assert "verified: llava" in packing.refusal("phi3_v")
-    assert set(packing.VERIFIED) | {"gemma3"} == set(TINY_ARCHS)
+    # every tiny architecture is either verified or refused with its reason
+    assert set(packing.VERIFIED) | set(packing.REFUSED) == set(TINY_ARCHS)
 
 
-def test_driver_refuses_packing_for_gemma3_before_ray(tiny_models, digits):
+def test_gemma4_packed_row_is_not_its_padded_batch_so_packing_is_refused():
+    """Gemma 4's text config may let image tokens attend both ways in its sliding-window layers
+    (`use_bidirectional_attention: vision`; transformers leaves it unset for the smaller checkpoints only,
+    as for the tiny one, whose packed row is exact). Set, the packed row is not the padded batch: an image
+    sample's tokens and the sample after it see other samples, as in Gemma 3."""
+    for order in ([TEXT_ONLY, MULTI_TURN], [MULTI_TURN, TEXT_ONLY]):
+        model, padded, row = _padded_and_packed("gemma4", order)
+        assert model.config.get_text_config().use_bidirectional_attention is None
+        loss, grads = _loss_and_grads(model, padded)
+        packed_loss, packed_grads = _loss_and_grads(model, row)
+        assert _relative(loss, packed_loss) <= TOLERANCE and _relative(grads, packed_grads) <= TOLERANCE
+        model.config.get_text_config().use_bidirectional_attention = "vision"
+        loss, _ = _loss_and_grads(model, padded)
+        assert _relative(loss, _loss_and_grads(model, row)[0]) > 1e-4, order
+    assert "bidirectional image-token blocks" in packing.refusal("gemma4")
+
+
+def test_qwen3_5_packed_row_would_leak_between_samples_so_packing_is_refused():
+    """Qwen3.5's Gated DeltaNet layers: given the samples' bounds (`cu_seq_lens_q`, which a packed row
+    carries), transformers' torch fallback of the delta rule raises (only the optional flash-linear-attention
+    kernel takes them); without them, the recurrent state and the causal conv1d run from one sample into
+    the next, and the packed gradients are not the padded ones (measured: 1e-2 relative; the loss moves
+    by 3e-5, more than TOLERANCE)."""
+    model, padded, row = _padded_and_packed("qwen3_5", [TEXT_ONLY, MULTI_TURN])
+    with pytest.raises(
+        ValueError, match="can't keep packed sequences apart without `flash-linear-attention`"
+    ):
+        _loss_and_grads(model, row)
+    unbounded = {k: v for k, v in row.items() if k != "cu_seq_lens_q"}
+    loss, grads = _loss_and_grads(model, padded)
+    packed_loss, packed_grads = _loss_and_grads(model, unbounded)
+    assert _relative(loss, packed_loss) > TOLERANCE and _relative(grads, packed_grads) > 1e-3
+    assert "recurrent state" in packing.refusal("qwen3_5")
+
+
+@pytest.mark.parametrize(
+    ("arch", "why"),
+    [
+        ("gemma3", "transformers ORs"),
+        ("gemma4", "transformers ORs Gemma 4's"),
+        ("qwen3_5", "Qwen3.5's linear-attention layers"),
+    ],
+)
+def test_driver_refuses_packing_before_ray(arch, why, tiny_models, digits):
     from raylora.driver import preflight
 
     cfg = tiny_run_config(
-        tiny_models("gemma3"), digits[0], "/tmp/unused", "packed", "train.packing=true",
+        tiny_models(arch), digits[0], "/tmp/unused", "packed", "train.packing=true",
         "train.max_tokens_per_micro_batch=512",
     )  # fmt: skip
-    with pytest.raises(ConfigError, match="train.packing is not available for gemma3: transformers ORs"):
+    with pytest.raises(ConfigError, match=f"train.packing is not available for {arch}: {why}"):
         preflight(cfg)
 
 

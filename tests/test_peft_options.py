@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
 from raylora import checkpoint, cli, config
+from raylora.arch import detect
 from raylora.data.batches import make_batch, read
 from raylora.data.formats import open_rows
 from raylora.data.processor import load_processor
@@ -31,6 +32,9 @@ from tests.support import restore_probe, tiny_run_config, train_and_save
 RUNS = {
     "dora": ("lora.use_dora=true", "lora.use_rslora=true", "lora.init=olora"),
     "saved": ("lora.modules_to_save=[lm_head]", "lora.init=pissa"),
+    # LoRA on the vision tower's linear layers too (lora.parts), its other weights frozen; the aligner
+    # trained fully
+    "vision": ("lora.parts=[language_model,vision_tower]", "train.freeze_vision=true"),
 }
 # no warmup: the first step already moves every trained tensor
 SHORT = ("train.max_steps=3", "train.warmup_steps=0")
@@ -120,6 +124,11 @@ def test_options_in_effect_and_saved_as_peft_saves_them(trained):
         copy = loaded["lm_head.modules_to_save.default.weight"]
         assert not torch.equal(copy, original["lm_head.weight"]), "lm_head was not trained"
         assert torch.equal(loaded["lm_head.original_module.weight"], original["lm_head.weight"])
+    # LoRA where lora.parts says, nothing else of those parts trained or saved
+    arch = detect(trained["model_dir"])
+    lora_parts = {arch.part_of(layer.removeprefix(checkpoint.PEFT_PREFIX) + ".weight") for layer in layers}
+    assert lora_parts == set(cfg.lora.parts)
+    assert {arch.part_of(n) for n in trained_modules} == {"vision_tower", "aligner"} - set(cfg.lora.parts)
     if cfg.lora.init in ("olora", "pissa"):
         # the init moved part of each base weight into the adapter; PEFT redoes it when it loads one
         name = layers[0].removeprefix(checkpoint.PEFT_PREFIX) + ".base_layer.weight"
@@ -161,6 +170,14 @@ def test_refused_inits_say_why(init, tmp_path):
     assert "accepted: true, false, gaussian, orthogonal, pissa, olora" in str(err.value)
     why = config.REFUSED_LORA_INITS.get("pissa_niter_<n>" if init.startswith("pissa_niter_") else init)
     assert why is None or why in str(err.value)
+
+
+def test_a_part_with_lora_and_full_training_is_refused_naming_both_keys():
+    for part, key in (("vision_tower", "freeze_vision"), ("aligner", "freeze_aligner")):
+        with pytest.raises(config.ConfigError, match=rf"lora.parts has {part} and train.{key}=false"):
+            _config("m", "t.parquet", f"lora.parts=[language_model,{part}]", f"train.{key}=false")
+    with pytest.raises(config.ConfigError, match=r"lora.parts\[1\]: expected one of language_model"):
+        _config("m", "t.parquet", "lora.parts=[language_model,vision]")
 
 
 def test_bad_option_values_refused(tmp_path):

@@ -75,13 +75,21 @@ def _write_chat_jsonl(folder, digits, rows: int, kinds: dict[int, str], image_to
     return str(path)
 
 
-def test_a_source_with_a_video_row_is_refused_however_few(tiny_models, digits, tmp_path):
-    """One video row in 40 is under data.max_bad_fraction, but it would be skipped at every step and
-    never trained: the preflight refuses it, saying why (raylora does not decode video frames)."""
+def test_a_source_with_a_video_row_is_refused_however_few_without_a_decoder(
+    tiny_models, digits, tmp_path, monkeypatch
+):
+    """One video row in 40 is under data.max_bad_fraction, but where PyAV is not installed it would be
+    skipped at every step and never trained: the preflight refuses it, saying what to install. With the
+    decoder, the same row (a bare mp4 header: no frames) is one bad row among 40, skipped and named."""
+    from raylora.data import video
+
     data = _write_chat_jsonl(tmp_path, digits, 40, {7: "video"})
     cfg = _cfg(tiny_models("qwen2_vl"), data, tmp_path, "data.max_bad_fraction=0.5")
-    with pytest.raises(ConfigError, match=r"row 7: a video row: raylora trains on images only.*video frames"):
+    monkeypatch.setattr(video, "decoder_installed", lambda: False)
+    with pytest.raises(ConfigError, match=r"row 7: video rows need PyAV.*pip install 'av"):
         preflight(cfg)
+    monkeypatch.undo()
+    preflight(cfg)
 
 
 def _cfg(model, data, tmp_path, *overrides: str):

@@ -27,7 +27,7 @@ def test_a_folder_with_its_own_code_is_refused_naming_the_key(remote_model, digi
 
 def test_an_unknown_architecture_needs_its_parts_named(remote_model, digits, tmp_path):
     cfg = tiny_run_config(remote_model, digits[0], tmp_path, "parts", "model.trust_remote_code=true")
-    with pytest.raises(ConfigError, match="model.language_model, model.vision_tower, model.aligner"):
+    with pytest.raises(ConfigError, match="model.language_model, model.vision_tower and model.aligner"):
         preflight(cfg)
     with pytest.raises(ConfigError, match="set together"):
         config.load(None, ["model.path=m", "data.train=t.parquet", "model.language_model=model.layers"])
@@ -42,8 +42,8 @@ def test_with_trust_remote_code_the_preflight_builds_it_from_its_own_code(remote
     arch = preflight(cfg)
     assert (arch.model_type, arch.language_model, arch.aligner) == (
         "raylora_remote_vlm",
-        "model.language_model",
-        "model.multi_modal_projector",
+        ("model.language_model",),
+        ("model.multi_modal_projector",),
     )
     assert for_model(str(remote_model), cfg.model) == arch
     model_config = AutoConfig.from_pretrained(remote_model, trust_remote_code=True)

@@ -34,7 +34,7 @@ def test_shipped_config_loads(path):
     header = path.read_text().splitlines()[0]
     assert header.startswith("#"), f"{path.name} needs a comment header saying what it is"
     assert "jobs/train.py" in path.read_text() or "raylora train" in path.read_text()
-    if "7b" in path.name:
+    if any(size in path.name for size in ("7b", "8b", "30b")):  # the GPU jobs
         assert cfg.scaling.use_gpu and cfg.run.storage_path.startswith(("s3://", "gs://"))
 
 
@@ -64,3 +64,15 @@ def test_readme_documents_every_config_key():
     for section in dataclasses.fields(config.Config):
         for f in dataclasses.fields(hints[section.name]):
             assert f"`{section.name}.{f.name}`" in readme, f"README lacks {section.name}.{f.name}"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_moe_config_takes_lora_on_its_experts(path):
+    """LoRA on a mixture-of-experts model's fused experts (PEFT's target_parameters) refuses dropout and
+    DoRA (raylora.moe.check_expert_lora): a shipped MoE job must not fail at its first worker."""
+    from raylora import moe
+
+    cfg = config.load(path)
+    if cfg.model.arch in ("qwen3_vl_moe",):
+        moe.check_expert_lora(cfg)
+        assert cfg.gradient_checkpointing  # bench/on_paper.py: without it, far over 80 GB

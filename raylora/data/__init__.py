@@ -7,13 +7,15 @@
   `turns` (`messages` and `conversations`: HF, TRL, OpenAI, axolotl, ms-swift, LLaVA, sharegpt),
   `alpaca` (alpaca and ms-swift's query/response), `llamafactory` (its `dataset_info.json`).
 - `processor`: the model folder's processor, also without torchvision.
+- `video`: video frames decoded (PyAV) and sampled, with the metadata the processor needs.
 - `sampler`: the global sampler (which rows a step trains on).
 - `labels`: a sample rendered once and tokenised once, labels on the answers and their stop tokens.
-- `batches`: decoding rows, padding and stacking micro batches, the stand-in sample.
+- `batches`: decoding rows, padding and stacking micro batches, the stand-in samples (image, video).
 - `preflight`: the driver's data checks before Ray starts (processor, template, a sample of the rows).
 - `pipeline`: building the steps' batches beside training. (`raylora prepare-data`, a command on Ray
   Data, is `raylora.prepare`.)
 
 Imports flow one way: preflight -> batches -> labels, formats; pipeline -> formats -> records, turns,
-alpaca, llamafactory -> rows -> sample; processor and sampler stand on their own (config only).
+alpaca, llamafactory -> rows -> sample; formats, labels -> video; processor, sampler and video stand on their
+own (config only, or nothing).
 """

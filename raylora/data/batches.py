@@ -10,24 +10,31 @@ import torch.nn.functional as F
 from PIL import Image
 
 from raylora.config import ConfigError
-from raylora.data import packing
-from raylora.data.formats import BadRow, Rows, load_image
+from raylora.data import packing, video
+from raylora.data.formats import BadRow, Rows, load_image, load_video
 from raylora.data.labels import IGNORE_INDEX, Decoded, Row, encode
 
-# Why a row with videos is not trained (the driver refuses a source with video rows before Ray starts).
-NO_VIDEO = (
-    "a video row: raylora trains on images only for now (it does not decode video frames yet); a "
-    "<video> tag is never trained on as text, so the row is not used"
+# Why a video row is skipped in a run whose passes carry no video stand-in (data.video_stand_in).
+NO_VIDEO_STAND_IN = (
+    "a video row in a run whose passes carry no video stand-in (the driver's preflight found no video rows "
+    "in data.train): under ZeRO-3 a rank with a video would run a vision pass the others do not; set "
+    "data.video_stand_in=true"
 )
 
 
-def read(rows: Rows, i: int) -> Decoded:
-    """Row `i` of `rows`, its images decoded; `BadRow` when the row or one of its images is unusable, and
-    for a row with videos (`NO_VIDEO`)."""
+def read(rows: Rows, i: int, sampling: video.Sampling | None = None) -> Decoded:
+    """Row `i` of `rows`, its images and videos decoded (videos' frames sampled by `sampling`: data.video_fps,
+    data.video_num_frames, data.video_max_frames); `BadRow` when the row or one of its media is unusable.
+    A row without videos is (messages, images), one with videos (messages, images, videos)."""
     sample = rows.sample(i)
-    if sample.video_count or sample.videos:
-        raise BadRow(NO_VIDEO)
-    return sample.messages, [load_image(entry) for entry in sample.images]
+    images = [load_image(entry) for entry in sample.images]
+    if not sample.videos:
+        return sample.messages, images
+    return (
+        sample.messages,
+        images,
+        [load_video(entry, sampling or video.Sampling()) for entry in sample.videos],
+    )
 
 
 def _cat(values: list[torch.Tensor]) -> torch.Tensor:
@@ -76,6 +83,8 @@ def make_batch(processor, samples: list[Decoded], with_answers: bool = True) -> 
 
 
 STAND_IN_EDGE = 56  # pixels a side: Qwen2-VL's smallest image (min_pixels 56 * 56); resized elsewhere
+# The processor's attribute that turns the video stand-in on (`use_video_stand_in`).
+VIDEO_STAND_IN = "video_stand_in"
 
 
 def stand_in() -> Decoded:
@@ -91,10 +100,32 @@ def stand_in() -> Decoded:
     return messages, [image]
 
 
-def _stand_in_row(processor) -> Row:
-    row = encode(processor, stand_in())
+def _stand_in_row(processor, sample: Decoded | None = None) -> Row:
+    row = encode(processor, sample or stand_in())
     row.labels = [IGNORE_INDEX] * len(row.labels)
     return row
+
+
+def stand_in_video() -> Decoded:
+    """The video counterpart of `stand_in()`: a blank two-frame video, an empty question and answer."""
+    messages = [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": ""}]},
+        {"role": "assistant", "content": [{"type": "text", "text": ""}]},
+    ]
+    return messages, [], [video.blank(STAND_IN_EDGE)]
+
+
+def use_video_stand_in(processor, on: bool | None, sampling: video.Sampling | None = None) -> None:
+    """Turn the video stand-in on for batches built with `processor` (data.video_stand_in, resolved by the
+    driver's preflight), where the model has a video path of its own (`_with_vision`); and keep the run's
+    frame sampling beside it, for the readers that have the processor only (`video_sampling`)."""
+    setattr(processor, VIDEO_STAND_IN, bool(on) and video.takes_videos(processor))
+    processor.video_sampling = sampling or video.Sampling()
+
+
+def video_sampling(processor) -> video.Sampling:
+    """The run's frame sampling kept with `processor` (`use_video_stand_in`), or the defaults."""
+    return getattr(processor, "video_sampling", None) or video.Sampling()
 
 
 def check_max_length(processor, max_length: int, key: str = "data.max_length") -> None:
@@ -121,7 +152,14 @@ def _encode_slots(
     rows: list[Row | None] = []
     for i, sample in enumerate(samples):
         try:
+            if sample is not None and len(sample) > 2 and not getattr(processor, VIDEO_STAND_IN, False):
+                raise BadRow(NO_VIDEO_STAND_IN)
             rows.append(None if sample is None else encode(processor, sample))
+        except BadRow as err:
+            if rejected is None:
+                raise
+            rejected[i] = err.reason
+            rows.append(None)
         except (ValueError, TemplateError) as err:
             if rejected is None:
                 raise
@@ -159,19 +197,23 @@ def limit_length(
     skipped the tower would leave the other ranks waiting in those collectives forever. A real image row
     through the model's own forward works for every architecture, where calling the tower on the side
     (and adding 0 times its output to the loss) would need each architecture's vision call; its labels are
-    all IGNORE_INDEX, so it changes neither the loss nor the gradient.
+    all IGNORE_INDEX, so it changes neither the loss nor the gradient. A model with a video path of its
+    own (Qwen-VL: `pixel_values_videos` through the tower in a call of their own) runs one more tower pass
+    for a batch with videos, so in a run with video rows (data.video_stand_in) a batch without a video gets
+    the stand-in video row (`stand_in_video`) as well.
     """
     encoded, too_long = _encode_slots(processor, samples, max_length, rejected)
-    return _with_an_image(
-        processor, [_stand_in_row(processor) if r is None else r for r in encoded]
-    ), too_long
+    return _with_vision(processor, [_stand_in_row(processor) if r is None else r for r in encoded]), too_long
 
 
-def _with_an_image(processor, rows: list[Row]) -> dict:
-    """A training batch of `rows`, with the stand-in image row added when none of them has an image (every
-    rank's pass must run the vision tower under ZeRO-3: `limit_length`)."""
-    if not any(r.vision for r in rows):
+def _with_vision(processor, rows: list[Row]) -> dict:
+    """A training batch of `rows`, with the stand-in image row added when none of them has an image, and the
+    stand-in video row when none has a video in a run with video rows (every rank's pass must run the same
+    vision tower passes under ZeRO-3: `limit_length`)."""
+    if not any(video.has_image(r.vision) for r in rows):
         rows = [*rows, _stand_in_row(processor)]
+    if getattr(processor, VIDEO_STAND_IN, False) and not any(video.has_video(r.vision) for r in rows):
+        rows = [*rows, _stand_in_row(processor, stand_in_video())]
     return _collate(processor, rows, with_answers=True)
 
 
@@ -196,7 +238,7 @@ def packed_passes(
     rows = [r for r in encoded if r is not None]
     passes = []
     for group in packing.pack([packing.length(r) for r in rows], budget):
-        passes.append(packing.packed(_with_an_image(processor, [rows[i] for i in group]), rope_index))
+        passes.append(packing.packed(_with_vision(processor, [rows[i] for i in group]), rope_index))
     return passes, too_long
 
 
@@ -204,7 +246,7 @@ def stand_in_micro_batch(processor) -> dict:
     """The pass a rank with fewer passes than another runs to stay in step with it (packed, or padded under
     a token budget): the stand-in row alone, with labels that train on nothing. Packed:
     `packing.packed(stand_in_micro_batch(processor), rope_index)`."""
-    return _collate(processor, [_stand_in_row(processor)], with_answers=True)
+    return _with_vision(processor, [_stand_in_row(processor)])
 
 
 def budgeted_micro_batches(
@@ -232,7 +274,7 @@ def budgeted_micro_batches(
             groups[-1].append(row)
         else:
             groups.append([row])
-    return [_with_an_image(processor, group) for group in groups], too_long
+    return [_with_vision(processor, group) for group in groups], too_long
 
 
 def sorted_micro_batches(
@@ -253,4 +295,4 @@ def sorted_micro_batches(
     rows += [_stand_in_row(processor) for r in encoded if r is None]
     groups = [rows[k : k + micro_batch_size] for k in range(0, len(rows), micro_batch_size)]
     groups += [[_stand_in_row(processor)] for _ in range(count - len(groups))]
-    return [_with_an_image(processor, group) for group in groups], too_long
+    return [_with_vision(processor, group) for group in groups], too_long

@@ -16,7 +16,8 @@ that `datasets.save_to_disk` wrote (its Arrow files are read here, without `data
 pyarrow filesystem URI. Rows are read when a batch uses them, never at the start, so that memory and start-up
 per rank stay flat however many rows there are; images are decoded only in `load_image`. An `http(s)://`
 image is a `BadRow` whose reason starts "remote image URL" (`raylora.data.rows.REMOTE`), met by the driver's
-preflight on the first rows. Videos are read into `Sample.videos`; the batch builder does not take them yet.
+preflight on the first rows. Videos are read into `Sample.videos` and decoded only in `load_video`
+(`raylora.data.video`).
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ import pyarrow.fs
 from PIL import Image
 
 from raylora.config import ConfigError
-from raylora.data import alpaca, llamafactory, turns
+from raylora.data import alpaca, llamafactory, turns, video
 from raylora.data.records import ArrowRecords, JsonRecords, ParquetRecords, Records
 from raylora.data.rows import BadRow, Layout, Resolve, checked, data_url, entry, media, text
 from raylora.data.sample import Sample
 from raylora.storage import filesystem, is_uri
 
-__all__ = ["BadRow", "Rows", "check_source", "load_image", "open_rows"]
+__all__ = ["BadRow", "Rows", "check_source", "load_image", "load_video", "open_rows"]
 
 # The fields that make each format, in the order detection tries them (the most specific first).
 FIELDS = {
@@ -81,6 +82,33 @@ def load_image(entry: bytes | str) -> Image.Image:
         raise BadRow(f"image not found: {err}") from err
     except Exception as err:  # PIL and the filesystems raise many types for a broken file
         raise BadRow(f"image does not decode ({type(err).__name__}: {err})") from err
+
+
+def load_video(entry: bytes | str | list, sampling: video.Sampling) -> video.Video:
+    """The video of one `Sample.videos` entry (encoded bytes, a path/URI, a `data:` URL, or a list of its
+    frames as image entries), its frames decoded and sampled (`raylora.data.video`); `BadRow` naming why
+    when it cannot be (not found, no video stream, no frames, does not decode, no decoder installed)."""
+    if isinstance(entry, list):
+        try:
+            return video.from_frames([load_image(frame) for frame in entry], sampling)
+        except video.Unusable as err:
+            raise BadRow(f"video: {err}") from err
+    try:
+        if isinstance(entry, str) and entry[:5].lower() == "data:":
+            entry = data_url(entry, "video")
+        elif isinstance(entry, str):
+            fs, path = filesystem(entry)
+            with fs.open_input_file(path) as f:
+                entry = f.read()
+    except FileNotFoundError as err:
+        raise BadRow(f"video not found: {err}") from err
+    except OSError as err:
+        raise BadRow(f"video does not read ({type(err).__name__}: {err})") from err
+    try:
+        return video.decode(entry, sampling)
+    except video.Unusable as err:
+        reason = str(err) if str(err) == video.NO_DECODER else f"video: {err}"
+        raise BadRow(reason) from err
 
 
 class Rows:

@@ -11,11 +11,14 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from raylora.data.video import Video, processor_inputs
+
 IGNORE_INDEX = -100  # labels PyTorch's cross-entropy skips: prompt, image and padding tokens
 
 
-Decoded = tuple[list[dict], list[Image.Image]]
-"""A sample ready to batch: `Sample.messages` and its images decoded, one per image part, in order."""
+Decoded = tuple[list[dict], list[Image.Image]] | tuple[list[dict], list[Image.Image], list[Video]]
+"""A sample ready to batch: `Sample.messages` and its images decoded, one per image part, in order; and
+for a sample with videos, its videos decoded (`raylora.data.video.Video`), one per video part, in order."""
 
 
 def last_answer(messages: list[dict]) -> str:
@@ -24,11 +27,33 @@ def last_answer(messages: list[dict]) -> str:
     return "".join(part.get("text", "") for part in turn["content"])
 
 
-def _image_parts(messages: list[dict]) -> int:
-    return sum(part["type"] == "image" for turn in messages for part in turn["content"])
+def _image_parts(messages: list[dict], kind: str = "image") -> int:
+    return sum(part["type"] == kind for turn in messages for part in turn["content"])
+
+
+def numbered_image_text(messages: list[dict], tag: str) -> list[dict]:
+    """`messages` with each turn's content as one string, for a template that concatenates content as text
+    and a processor that finds image N by its own numbered tag (Phi-3-vision's `<|image_1|>`): each image
+    part becomes `tag.format(N)`, counted over the conversation, and a line break, as the model card writes
+    `<|image_1|>\nWhat is shown?`, unless the text after it starts with one (an `<image>\n` tag's)."""
+    out, n = [], 0
+    for turn in messages:
+        text = ""
+        for k, part in enumerate(turn["content"]):
+            if part["type"] == "image":
+                n += 1
+                following = turn["content"][k + 1].get("text", "") if k + 1 < len(turn["content"]) else ""
+                text += tag.format(n) + ("" if following.startswith("\n") else "\n")
+            else:
+                text += part.get("text", "")
+        out.append({**turn, "content": text})
+    return out
 
 
 def _render(processor, messages: list[dict], generation_prompt: bool) -> str:
+    tag = getattr(processor, "numbered_image_tag", None)  # set by raylora.remote_compat's bridges
+    if tag:
+        messages = numbered_image_text(messages, tag)
     return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
@@ -84,7 +109,7 @@ class Row:
 
 
 # Processor outputs that are not token-aligned although they can have the shape (1, tokens).
-VISION_KEYS = ("image_grid_thw", "image_sizes")
+VISION_KEYS = ("image_grid_thw", "image_sizes", "video_grid_thw")
 
 
 def _labelled_tokens(tokenizer, text: str, spans: list[_Span], special: bool):
@@ -144,16 +169,28 @@ def encode(processor, sample: Decoded, with_answers: bool = True) -> Row:
     processor's tokens (`_align`). `ValueError` when the template or the processor cannot serve this
     sample (a bad row).
     """
-    messages, images = sample
+    messages, images, *rest = sample
+    videos = rest[0] if rest else []  # a sample with videos: raylora.data.video decoded their frames
+    if videos and getattr(processor, "video_processor", None) is None:  # it would drop them silently
+        raise ValueError(
+            f"a video row, and the model's processor ({type(processor).__name__}) takes no videos"
+        )
     if not with_answers:
         last = max(k for k, m in enumerate(messages) if m["role"] == "assistant")
+        videos = videos[: _image_parts(messages[:last], "video")]
         messages, images = messages[:last], images[: _image_parts(messages[:last])]
     text, spans = _answer_spans(processor, messages, generation_prompt=not with_answers)
     tokenizer = processor.tokenizer
     # transformers' own rule for chat-template text: special tokens only where the template wrote none
     special = not (tokenizer.bos_token and text.startswith(tokenizer.bos_token))
     plain, labelled, stops = _labelled_tokens(tokenizer, text, spans, special)
-    enc = processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=special)
+    enc = processor(
+        text=[text],
+        images=images or None,
+        return_tensors="pt",
+        add_special_tokens=special,
+        **processor_inputs(videos),
+    )
     ids = enc["input_ids"][0].tolist()
     where = _align(plain, ids)
     carried = {i for i in where if i is not None}

@@ -25,7 +25,7 @@ from jinja2 import TemplateError
 
 from raylora import storage
 from raylora.config import Config
-from raylora.data.batches import read
+from raylora.data.batches import read, video_sampling
 from raylora.data.formats import BadRow, Rows
 from raylora.data.labels import encode
 
@@ -39,7 +39,7 @@ def count(processor, rows: Rows, indices: range) -> list[int]:
     counts = []
     for i in indices:
         try:
-            counts.append(len(encode(processor, read(rows, i)).labels))
+            counts.append(len(encode(processor, read(rows, i, video_sampling(processor))).labels))
         except (BadRow, ValueError, TemplateError):
             counts.append(0)
     return counts

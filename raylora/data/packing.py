@@ -29,16 +29,52 @@ from raylora.data.labels import IGNORE_INDEX, Row
 
 # Architectures whose packed pass equals their padded micro batch (loss and gradients within 1e-5 relative,
 # tests/test_packing.py); the driver refuses packing for any other before Ray starts, with `refusal`.
-VERIFIED = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "internvl", "mistral3")
+VERIFIED = (
+    "llava",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen3_vl",
+    "glm4v",
+    "glm46v",
+    "idefics3",
+    "internvl",
+    "mistral3",
+)
 # Gemma 3 lets an image's tokens attend to each other both ways: transformers (5.23) ORs those image blocks
 # into the mask after the packed-sequence boundaries, so in a packed row an image sample's tokens and the
-# samples after it see other samples (the tiny model's logits move by 0.3-0.5).
+# samples after it see other samples (the tiny model's logits move by 0.3-0.5). Gemma 4 does the same in its
+# sliding-window layers wherever its text config says `use_bidirectional_attention: vision` (transformers'
+# code leaves it unset for the smaller checkpoints only, which pack exactly): refused for the model type.
+# Qwen3.5's Gated DeltaNet layers carry a recurrent state and a causal conv1d along the row: read in
+# transformers 5.23, only the optional `fla` kernel takes the samples' bounds (`cu_seqlens`; the torch
+# fallback raises on them, and without them the state runs from one sample into the next), and the conv1d
+# is never given them (its fallback and `causal_conv1d` alike).
+# Mixture-of-experts models with a load-balancing loss (raylora.moe)
+MOE_AUX = (
+    "its load-balancing loss is a statistic of each pass's tokens (the share routed to each expert times its "
+    "mean router probability), so packing the samples into other passes than the padded micro batches "
+    "changes the step"
+)
 REFUSED = {
+    "glm4v_moe": MOE_AUX,
+    "qwen3_vl_moe": MOE_AUX,
     "gemma3": (
         "transformers ORs Gemma 3's bidirectional image-token blocks into the attention mask outside the "
         "packed samples' boundaries, so a packed sample would see the samples before it"
     ),
+    "gemma4": (
+        "transformers ORs Gemma 4's bidirectional image-token blocks (use_bidirectional_attention: vision) "
+        "into its sliding-window layers' mask outside the packed samples' boundaries, so a packed sample "
+        "would see the samples before it"
+    ),
+    "qwen3_5": (
+        "Qwen3.5's linear-attention layers (Gated DeltaNet) would carry their recurrent state and their "
+        "causal conv1d from one packed sample into the next: in transformers 5.23 only the optional "
+        "flash-linear-attention kernel takes the samples' bounds (the torch fallback raises on them) and "
+        "the conv1d never gets them"
+    ),
 }
+REFUSED["qwen3_5_moe"] = REFUSED["qwen3_5"] + "; and " + MOE_AUX
 
 
 def refusal(model_type: str) -> str | None:
@@ -138,11 +174,15 @@ def packed(padded: dict, rope_index=None) -> dict:
     if rope_index is None:
         out["position_ids"] = text
         return out
+    # a video's positions take its grid, and Qwen2.5-VL's its seconds per temporal patch (where the batch has
+    # them: not every model's get_rope_index takes these names)
+    videos = {k: padded[k] for k in ("video_grid_thw", "second_per_grid_ts") if k in padded}
     rope, _ = rope_index(
         padded["input_ids"],
         mm_token_type_ids=padded.get("mm_token_type_ids"),
         image_grid_thw=padded.get("image_grid_thw"),
         attention_mask=padded["attention_mask"],
+        **videos,
     )
     out["position_ids"] = torch.cat([text[None], rope[:, mask][:, None]], dim=0)
     return out

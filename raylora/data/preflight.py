@@ -15,7 +15,8 @@ import numpy as np
 from jinja2 import TemplateError
 
 from raylora.config import Config, ConfigError
-from raylora.data.batches import NO_VIDEO, read
+from raylora.data import video
+from raylora.data.batches import read
 from raylora.data.formats import BadRow, Rows
 from raylora.data.labels import check_chat_template, encode
 from raylora.data.processor import load_processor
@@ -137,31 +138,50 @@ def check_sample(cfg: Config, rows: Rows, processor) -> None:
     """Read, decode, render and tokenise a sample of data.train as a training step would; `ConfigError`
     when more than data.max_bad_fraction of it is bad, naming the most common reasons with a row each.
 
-    A row is bad when it does not read or its images do not decode (`BadRow`), or when the processor or
-    the chat template rejects it (what `data.limit_length` skips during training)."""
+    A row is bad when it does not read or its images or videos do not decode (`BadRow`), or when the
+    processor or the chat template rejects it (what `data.limit_length` skips during training).
+
+    Video rows are decoded as a step would decode them (data.video_fps, ...), and the time they took is
+    logged. data.video_stand_in, when unset, is resolved here, for the workers: on where the sample holds a
+    video row or the source has a video field."""
     d = cfg.data
     limit_key, limit = cfg.length_limit or (None, None)
     bad: list[tuple[int, str]] = []
     checked = too_long = 0
+    videos, video_s = 0, 0.0  # video rows read, and the seconds reading them took (their decoding, mostly)
+    sampling = video.Sampling.of(d)
     deadline = time.monotonic() + SAMPLE_SECONDS
     for i in sample_rows(len(rows), cfg.train.seed):
         if checked and time.monotonic() > deadline:
             break
         checked += 1
+        started = time.monotonic()
         try:
-            tokens = len(encode(processor, read(rows, i)).labels)
+            sample = read(rows, i, sampling)
         except BadRow as err:
             bad.append((i, err.reason))
+            sample = None
+        if (len(sample) > 2) if sample is not None else "video" in bad[-1][1]:  # a video row (read or not)
+            videos += 1
+            video_s += time.monotonic() - started
+        if sample is None:
             continue
+        try:
+            tokens = len(encode(processor, sample).labels)
         except (ValueError, TemplateError) as err:  # as data.limit_length catches them
             why = " ".join(str(err).split())[:300]
             bad.append((i, f"the processor rejects it ({type(err).__name__}: {why})"))
             continue
         too_long += limit is not None and tokens > limit
     where = f"data.train: {rows.uri}"
-    video = next((row for row, reason in bad if reason == NO_VIDEO), None)
-    if video is not None:  # however few: video rows would be skipped at every step, never trained
-        raise ConfigError(f"{where}: row {video}: {NO_VIDEO}. Leave the video rows out of data.train")
+    undecodable = next((row for row, reason in bad if reason == video.NO_DECODER), None)
+    if undecodable is not None:  # however few: video rows would be skipped at every step, never trained
+        raise ConfigError(f"{where}: row {undecodable}: {video.NO_DECODER}")
+    if videos:
+        log.info("%s: decoded %d video row(s) of the sample in %.2f s", where, videos, video_s)
+    if d.video_stand_in is None:
+        fields = getattr(getattr(rows, "records", None), "names", None) or []
+        d.video_stand_in = bool(videos) or any(f in ("videos", "video") for f in fields)
     if bad and d.on_bad_row == "error":
         row, reason = bad[0]
         raise ConfigError(f"{where}: row {row}: {reason} (data.on_bad_row: error)")

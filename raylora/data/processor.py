@@ -196,6 +196,9 @@ def _from_pretrained(model_path: str | Path, trust_remote_code: bool = False):
         )
     name = processor_class_name(folder)
     if trust_remote_code and _remote_processor(folder):
+        from raylora import remote_compat  # Phi-3-vision's processor, bridged for transformers 5
+
+        remote_compat.bridge_processor(folder, _remote_processor(folder))
         processor = transformers.AutoProcessor.from_pretrained(
             model_path, trust_remote_code=trust_remote_code
         )
@@ -209,12 +212,13 @@ def _from_pretrained(model_path: str | Path, trust_remote_code: bool = False):
     return processor
 
 
-def _remote_processor(folder: Path) -> bool:
-    """Whether the folder's processor files name classes of its own code (`auto_map`: Phi-3-vision's)."""
+def _remote_processor(folder: Path) -> dict[str, str]:
+    """The `auto_map` by which the folder's processor files name classes of its own code (Phi-3-vision's);
+    {} where they name none."""
     for name in PROCESSOR_CLASS_FILES[:3]:
         if (folder / name).exists() and "auto_map" in json.loads((folder / name).read_text()):
-            return True
-    return False
+            return json.loads((folder / name).read_text())["auto_map"]
+    return {}
 
 
 def _sentencepiece_only(folder: Path) -> bool:

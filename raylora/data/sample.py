@@ -10,9 +10,7 @@ list of frames (paths or bytes).
 Nothing here is decoded: a row is decoded only when a batch uses it, so a bad image is met (and skipped) at
 that point.
 
-The batch builder does not take videos yet (issue 19 part 2): a sample with `video_count` > 0 carries its
-videos so that a `<video>` tag is never trained on as text, and it is for the batch builder (or the driver's
-preflight) to refuse it until video is supported.
+A sample's videos are decoded when a batch uses it (`raylora.data.formats.load_video`), never here.
 """
 
 from __future__ import annotations

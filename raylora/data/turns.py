@@ -109,7 +109,7 @@ def content(value, speaker, resolve: Resolve) -> list[dict]:
     return parts
 
 
-def _inline(part: dict, kind: str, resolve: Resolve) -> bytes | str | None:
+def _inline(part: dict, kind: str, resolve: Resolve) -> bytes | str | list | None:
     """The image/video a part carries itself, or None when it takes the row's next one."""
     source = part.get("source")
     if isinstance(source, dict):  # Anthropic: {"type": "base64", "data": ...} | {"type": "url", "url": ...}
@@ -120,5 +120,7 @@ def _inline(part: dict, kind: str, resolve: Resolve) -> bytes | str | None:
         value = part.get(key)
         if value is None or (isinstance(value, dict) and not any(value.values())):
             continue  # Arrow gives every part every key of its struct, None where unused
+        if kind == "video" and isinstance(value, list):  # Qwen's video as its frames: a list of images
+            return [entry(frame, resolve, "video frame") for frame in value]
         return base64_bytes(value, kind) if key == "base64" else entry(value, resolve, kind)
     return None

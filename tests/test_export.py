@@ -75,10 +75,13 @@ def make_checkpoint(folder: Path, model_dir: str, train_file, *overrides: str) -
 
 
 # Mixture-of-experts models: LoRA on the experts takes no dropout (raylora.moe).
-OVERRIDES = {"qwen3_vl_moe": ("lora.dropout=0",)}
+OVERRIDES = {arch: ("lora.dropout=0",) for arch in ("qwen3_vl_moe", "qwen3_5_moe", "glm4v_moe")}
 
 
-EXPORTED = ["llava", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "glm4v", "glm46v", "gemma4"]
+EXPORTED = [
+    *("llava", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
+    *("glm4v", "glm4v_moe", "glm46v", "gemma4"),
+]
 
 
 @pytest.fixture(scope="module", params=EXPORTED)

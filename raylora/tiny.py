@@ -184,12 +184,13 @@ def _qwen2_vl(width: int, layers: int):
     return _qwen_vl(Qwen2VLConfig, Qwen2VLProcessor, dict(depth=layers, embed_dim=width, hidden_size=width))
 
 
-def _qwen3_vl(width: int, layers: int):
+def _qwen3_vl(width: int, layers: int, moe: bool = False):
     """Qwen3-VL (dense): Qwen3 decoder layers (q/k norms, explicit head_dim), interleaved M-RoPE, a vision
-    tower with learned position embeddings and DeepStack mergers after each of its blocks."""
-    from transformers import Qwen3VLConfig, Qwen3VLProcessor
+    tower with learned position embeddings and DeepStack mergers after each of its blocks. `moe`:
+    Qwen3-VL-MoE (30B-A3B, 235B-A22B), every decoder layer's MLP a mixture of experts, 4 experts here, 2 per
+    token, fused into 3-D tensors, with a top-k router (`mlp.gate`)."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig, Qwen3VLProcessor
 
-    head_dim = width // 4
     vision = dict(
         depth=layers,
         hidden_size=width,
@@ -198,29 +199,16 @@ def _qwen3_vl(width: int, layers: int):
         num_position_embeddings=(IMAGE_SIZE // PATCH_SIZE) ** 2,
         deepstack_visual_indexes=list(range(layers)),
     )
-    text = dict(head_dim=head_dim)
-    config, processor = _qwen_vl(Qwen3VLConfig, Qwen3VLProcessor, vision, text)
+    text = dict(head_dim=width // 4)
+    if moe:
+        text |= dict(decoder_sparse_step=1) | _moe_text(width)
+    config, processor = _qwen_vl(Qwen3VLMoeConfig if moe else Qwen3VLConfig, Qwen3VLProcessor, vision, text)
     config.text_config.rope_parameters["mrope_interleaved"] = True
     return config, processor
 
 
 def _qwen3_vl_moe(width: int, layers: int):
-    """Qwen3-VL-MoE (30B-A3B, 235B-A22B): Qwen3-VL with every decoder layer's MLP a mixture of experts,
-    4 experts here, 2 per token; the experts fused into 3-D tensors, a top-k router (`mlp.gate`)."""
-    from transformers import Qwen3VLMoeConfig, Qwen3VLProcessor
-
-    vision = dict(
-        depth=layers,
-        hidden_size=width,
-        intermediate_size=2 * width,
-        out_hidden_size=width,
-        num_position_embeddings=(IMAGE_SIZE // PATCH_SIZE) ** 2,
-        deepstack_visual_indexes=list(range(layers)),
-    )
-    text = dict(head_dim=width // 4, decoder_sparse_step=1) | _moe_text(width)
-    config, processor = _qwen_vl(Qwen3VLMoeConfig, Qwen3VLProcessor, vision, text)
-    config.text_config.rope_parameters["mrope_interleaved"] = True
-    return config, processor
+    return _qwen3_vl(width, layers, moe=True)
 
 
 def _qwen3_5(width: int, layers: int, moe: bool = False):

@@ -26,7 +26,10 @@ class ConfigError(ValueError):
 
 # raylora.data.formats' FORMATS and ALIASES, named here so that a config is checked without importing the
 # readers (pyarrow, PIL); tests/test_config.py holds the two lists equal.
-DATA_FORMATS = ("raylora", "chat", "llava", "sharegpt", "alpaca", "query_response")
+DataFormat = typing.Literal["raylora", "chat", "llava", "sharegpt", "alpaca", "query_response"]
+DATA_FORMATS = typing.get_args(DataFormat)
+AttnImplementation = typing.Literal["sdpa", "eager", "flash_attention_2"]
+ATTN_IMPLEMENTATIONS = typing.get_args(AttnImplementation)
 
 
 @dataclass
@@ -39,7 +42,7 @@ class ModelConfig:
     so that every node and every resume trains the same weights."""
     arch: str | None = None
     """Registry name (`raylora.arch`); unset: detected from config.json's model_type."""
-    attn_implementation: str = "sdpa"
+    attn_implementation: AttnImplementation = "sdpa"
     """Attention kernel: `sdpa` (PyTorch's fused attention), `eager`, or `flash_attention_2` (needs the
     flash_attn package on every node, GPUs and bf16)."""
     trust_remote_code: bool = False
@@ -82,7 +85,7 @@ class LoraConfig:
     """Rank-stabilised LoRA: scale the update by alpha / sqrt(r) instead of alpha / r (PEFT's use_rslora)."""
     init: bool | str = True
     """LoRA initialisation (PEFT's init_lora_weights): true, false, gaussian, orthogonal, pissa or olora; the
-    others are refused, with the reason (README: PEFT options)."""
+    others are refused, with the reason (docs/models.md: PEFT options)."""
     modules_to_save: list[str] | None = None
     """Modules trained fully and saved in the adapter under PEFT's keys (PEFT's modules_to_save, e.g.
     [lm_head]); each name must match a module, as PEFT matches them (by name or name suffix)."""
@@ -92,26 +95,26 @@ class LoraConfig:
 class DataConfig:
     train: str = ""
     """Training data (a path or any pyarrow filesystem URI): a Parquet, JSON or JSONL file, a folder of
-    Parquet files or a `datasets.save_to_disk` folder, in a format of data.format (README: Data formats)."""
+    Parquet files or a `datasets.save_to_disk` folder, in a format of data.format (docs/data.md)."""
     eval: str | None = None
     """Held-out data in the same formats, for evaluation: the prompt is every turn before the last assistant
     turn, the answer that turn's text."""
-    format: str | None = None
+    format: DataFormat | None = None
     """Format of data.train and data.eval: `raylora` (image, prompt, answer), `chat` (messages with string or
     part content, images/image/videos), `llava` or `sharegpt` (conversations of from/value, image/images),
     `alpaca` (instruction, input, output) or `query_response` (ms-swift's query, response). Unset: detected
-    from the fields found (README: Data formats)."""
+    from the fields found (docs/data.md)."""
     image_root: str | None = None
     """Folder (or URI) that relative image paths in the data are resolved against. Unset: the data file's
     folder."""
-    on_bad_row: str = "skip"
+    on_bad_row: typing.Literal["skip", "error"] = "skip"
     """A row whose image does not decode or whose answer is empty: `skip` (counted, reported) or `error`."""
     max_bad_fraction: float = 0.01
     """Largest fraction of bad rows in the sample of data.train that the driver reads, renders and tokenises
     before Ray starts (the first rows and a seeded random sample); more and the run is refused, naming why."""
     max_length: int | None = None
     """Most tokens per sample (every turn, image tokens, end-of-turn tokens); a longer sample is skipped, not
-    cut, and counted in the step's `too_long` metric (README: Memory). Unset: no limit."""
+    cut, and counted in the step's `too_long` metric (docs/gpus-memory.md: Memory). Unset: no limit."""
     max_pixels: int | None = None
     """Most pixels per image, handed to the processor's resolution knob (Qwen2-VL family: max_pixels;
     Idefics3, Pixtral: a longest edge of its square root); refused where the processor resizes every
@@ -121,7 +124,7 @@ class DataConfig:
     folder's own setting."""
     workers: int = 1
     """Processes that build the next steps' micro batches (read, decode, tokenise) while the current step
-    computes (README: Input pipeline); 0 builds them inline, in the training process."""
+    computes (docs/data.md: Input pipeline); 0 builds them inline, in the training process."""
     video_fps: float | None = None
     """Frames sampled per second of video (LLaMA-Factory's video_fps); unset: 2, or data.video_num_frames."""
     video_num_frames: int | None = None
@@ -170,8 +173,8 @@ class TrainConfig:
     param_persistence_threshold: int = 100_000
     """ZeRO-3 keeps parameters of at most this many elements whole on every rank, gathered once per
     optimizer step instead of at every use (DeepSpeed's stage3_param_persistence_threshold); at the largest
-    parameter's size or more, the whole frozen base stays resident (README: Memory)."""
-    precision: str | None = None
+    parameter's size or more, the whole frozen base stays resident (docs/gpus-memory.md: Memory)."""
+    precision: typing.Literal["bf16", "fp32"] | None = None
     """`bf16` (bf16 weights and activations, fp32 masters, Adam moments, gradient accumulation and
     reduction) or `fp32`; unset: bf16 with scaling.use_gpu, fp32 without. Independent of the device."""
     gradient_checkpointing: bool | None = None
@@ -238,7 +241,7 @@ class RunConfig:
     from before the run fails, counted apart from run.max_failures; -1: no limit."""
     num_to_keep: int = 2
     """Checkpoints kept in storage (the newest ones)."""
-    checkpoint_upload: str = "async"
+    checkpoint_upload: typing.Literal["async", "sync"] = "async"
     """How rank 0's checkpoint folder reaches storage: async (uploaded while training goes on; the run
     resumes only from checkpoints whose upload completed) or sync (every rank waits for the upload)."""
     local_dir: str | None = None
@@ -384,9 +387,13 @@ def _yaml_quirks(cls: type, data: Any, prefix: str) -> Any:
 
 
 def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is typing.Literal:
         return "one of " + ", ".join(str(choice) for choice in typing.get_args(tp))
-    return str(tp).replace("<class '", "").replace("'>", "")
+    if typing.get_origin(tp) is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    return str(tp).replace("<class '", "").replace("'>", "").replace("typing.", "")
 
 
 def _config_error(err: pydantic.ValidationError) -> ConfigError:
@@ -559,8 +566,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"lora.modules_to_save must be distinct non-empty module names, got {saved}")
     if t.lr <= 0 or (t.vision_lr is not None and t.vision_lr <= 0):
         raise ConfigError(f"train.lr and train.vision_lr must be positive, got {t.lr} and {t.vision_lr}")
-    if cfg.run.checkpoint_upload not in ("async", "sync"):
-        raise ConfigError(f"run.checkpoint_upload must be async or sync, got {cfg.run.checkpoint_upload!r}")
     local = cfg.run.local_dir
     if local is not None and (not os.path.isabs(local) or "://" in local):
         raise ConfigError(f"run.local_dir must be an absolute local path on every node, got {local!r}")
@@ -585,8 +590,6 @@ def validate(cfg: Config) -> None:
         )
     if t.eval_every is not None and (t.eval_every <= 0 or not cfg.data.eval):
         raise ConfigError("train.eval_every must be positive and needs data.eval")
-    if t.precision not in (None, "bf16", "fp32"):
-        raise ConfigError(f"train.precision must be bf16 or fp32, got {t.precision!r}")
     drill = cfg.fault
     if drill.read_errors < 0 or (drill.read_errors and not 0 <= drill.read_error_rank < cfg.world_sizes[0]):
         raise ConfigError(
@@ -595,12 +598,6 @@ def validate(cfg: Config) -> None:
         )
     if cfg.data.workers < 0:
         raise ConfigError(f"data.workers must be 0 (inline) or more, got {cfg.data.workers}")
-    if cfg.data.format is not None and cfg.data.format not in DATA_FORMATS:
-        raise ConfigError(
-            f"data.format must be one of {', '.join(DATA_FORMATS)} (unset: detected), got {cfg.data.format!r}"
-        )
-    if cfg.data.on_bad_row not in ("skip", "error"):
-        raise ConfigError(f"data.on_bad_row must be skip or error, got {cfg.data.on_bad_row!r}")
     if not 0.0 <= cfg.data.max_bad_fraction <= 1.0:
         raise ConfigError(f"data.max_bad_fraction must be in [0, 1], got {cfg.data.max_bad_fraction}")
     _validate_memory(cfg)
@@ -615,22 +612,14 @@ def validate(cfg: Config) -> None:
     if cfg.model.revision is not None and not cfg.model.revision.strip():
         raise ConfigError("model.revision must be a commit hash, branch or tag when set, got an empty string")
     if not cfg.data.train:
-        raise ConfigError("data.train is required: a data file or folder (README: Data formats)")
+        raise ConfigError("data.train is required: a data file or folder (docs/data.md)")
     if not cfg.run.name or "/" in cfg.run.name:
         raise ConfigError(f"run.name must be a non-empty name without '/', got {cfg.run.name!r}")
-
-
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 
 
 def _validate_memory(cfg: Config) -> None:
     """The memory controls: attention kernel, sample length and image resolution caps."""
     d = cfg.data
-    if cfg.model.attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ConfigError(
-            f"model.attn_implementation must be one of {', '.join(ATTN_IMPLEMENTATIONS)}, "
-            f"got {cfg.model.attn_implementation!r}"
-        )
     if cfg.model.attn_implementation == "flash_attention_2" and not (cfg.scaling.use_gpu and cfg.bf16):
         raise ConfigError("model.attn_implementation=flash_attention_2 needs scaling.use_gpu and bf16")
     t = cfg.train
@@ -667,7 +656,8 @@ def _validate_memory(cfg: Config) -> None:
 
 
 def markdown_reference() -> str:
-    """The README's config table, generated from the dataclasses and their field docstrings."""
+    """The config reference table (docs/reference/config.md, written by `make docs`), generated from the
+    dataclasses, their types (a `Literal` lists its choices) and their field docstrings."""
     import ast
     import inspect
 
@@ -684,8 +674,7 @@ def markdown_reference() -> str:
         }
         default = cls()
         for f in dataclasses.fields(cls):
-            tp = str(typing.get_type_hints(cls)[f.name]).replace("<class '", "").replace("'>", "")
-            tp = tp.replace(" | None", " or null").replace(" | ", " or ").replace("typing.", "")
+            tp = _type_name(typing.get_type_hints(cls)[f.name])
             rows.append(
                 f"| `{section.name}.{f.name}` | {tp} | `{getattr(default, f.name)!r}` | {docs[f.name]} |"
             )

@@ -44,6 +44,10 @@ def test_yaml_and_overrides(tmp_path):
         ("model.path=3", "model.path: expected str, got int"),
         ("train=5", "train: expected a mapping"),
         ("lora.r=0", "lora.r must be positive"),
+        ("train.precision=fp16", "train.precision: expected one of bf16, fp32 or null, got str 'fp16'"),
+        ("run.checkpoint_upload=later", "run.checkpoint_upload: expected one of async, sync"),
+        ("data.on_bad_row=warn", "data.on_bad_row: expected one of skip, error"),
+        ("data.format=csv", "data.format: expected one of raylora, chat, llava, sharegpt, alpaca"),
         ("train.global_batch_size=1", "train.global_batch_size (1) is smaller than scaling.num_workers (2"),
         ("run.name=a/b", "run.name"),
         ("lora.dropout=1.5", "lora.dropout"),
@@ -149,15 +153,16 @@ def test_trainer_leaves_out_the_helper_actors_a_raylora_run_does_not_use(tmp_pat
     from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
 
-    from raylora import driver
-    from raylora.driver import LOCAL_RAY_MARK, make_trainer
+    from raylora import ray_runtime
+    from raylora.driver import make_trainer
+    from raylora.ray_runtime import LOCAL_RAY_MARK
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model").mkdir()
     cfg = config.load(None, ["model.path=model", "data.train=t.parquet"])
     monkeypatch.delenv(LOCAL_RAY_MARK, raising=False)
     # as a driver that joined a cluster sees it, whether or not an earlier test started a Ray here
-    monkeypatch.setattr(driver, "_started_session", None)
+    monkeypatch.setattr(ray_runtime, "_started_session", None)
 
     def kinds() -> set[type]:
         return {type(cb) for cb in make_trainer(cfg)._create_default_callbacks()}
@@ -174,7 +179,8 @@ def test_a_runs_controller_polls_faster_than_it_reports(tmp_path, monkeypatch):
     """Ray Train takes one report per poll and a report waits for the previous one to be taken: a run's
     trainer polls at least twice per report interval (every step reporting: 0.1 s), and no faster than
     every 0.1 s nor slower than every 0.25 s, however seldom it reports."""
-    from raylora.driver import controller_poll_s, make_trainer
+    from raylora.driver import make_trainer
+    from raylora.ray_runtime import controller_poll_s
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model").mkdir()
@@ -192,7 +198,8 @@ def test_workers_start_with_raylora_env_unless_the_driver_or_run_config_says_oth
     instead."""
     import ray.train
 
-    from raylora.driver import CPU_WORKER_ENV, Trainer, make_trainer
+    from raylora.driver import make_trainer
+    from raylora.ray_runtime import CPU_WORKER_ENV, Trainer
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model").mkdir()
@@ -229,7 +236,7 @@ def _worker_env_and_glibc_heap() -> tuple:
 
     import torch
 
-    from raylora.driver import CPU_WORKER_ENV, POLL_ENV
+    from raylora.ray_runtime import CPU_WORKER_ENV, POLL_ENV
 
     class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2, ten size_t
         names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
@@ -280,7 +287,7 @@ def test_the_controller_and_workers_get_the_trainers_poll_and_the_env_is_restore
     import os
     import statistics
 
-    from raylora.driver import CPU_WORKER_ENV, POLL_ENV
+    from raylora.ray_runtime import CPU_WORKER_ENV, POLL_ENV
     from tests.support import on_workers
 
     monkeypatch.delenv(POLL_ENV, raising=False)
@@ -291,7 +298,7 @@ def test_the_controller_and_workers_get_the_trainers_poll_and_the_env_is_restore
     seen = on_workers(_worker_env_and_glibc_heap, tmp_path, "poll", num_workers=1, poll_s=0.25)
     poll, env, mmapped, arenas, faults, round_pages = seen
     assert (poll, env) == ("0.25", CPU_WORKER_ENV)
-    # glibc honours them (raylora.driver.CPU_WORKER_ENV): a tensor under 32 MiB comes from the heap, not
+    # glibc honours them (raylora.ray_runtime.CPU_WORKER_ENV): a tensor under 32 MiB comes from the heap, not
     # from an mmap of its own, and the training thread allocates from the one arena. With glibc's
     # defaults or torch's THP_MEM_ALLOC_ENABLE=1 (raylora's setting before): 51 MB mmapped and 16 arenas.
     assert (mmapped, arenas) == (0, 1)

@@ -362,7 +362,7 @@ def test_cli_refuses_an_unknown_format_with_exit_2(tmp_path, tiny_models):
     assert proc.returncode == 2, proc.stderr
     assert "its fields: pixels, caption" in proc.stderr and "Formats accepted: raylora" in proc.stderr
     assert "Traceback" not in proc.stderr
-    with pytest.raises(ConfigError, match="data.format must be one of raylora, chat, llava"):
+    with pytest.raises(ConfigError, match="data.format: expected one of raylora, chat, llava"):
         config.load(None, ["model.path=m", "data.train=t.parquet", "data.format=csv"])
 
 

@@ -184,7 +184,7 @@ def test_max_pixels_bounds_image_tokens_qwen2_vl(tiny_models):
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["model.attn_implementation=flash"], "model.attn_implementation must be one of"),
+        (["model.attn_implementation=flash"], "model.attn_implementation: expected one of sdpa"),
         (["model.attn_implementation=flash_attention_2"], "needs scaling.use_gpu and bf16"),
         (["data.max_length=0"], "data.max_length must be positive"),
         (["data.max_pixels=100", "data.min_pixels=200"], "data.min_pixels (200) exceeds data.max_pixels"),

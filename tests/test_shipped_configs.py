@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from raylora import config
-from raylora.driver import POLL_ENV
+from raylora.ray_runtime import POLL_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 # kuberay-rayjob.yaml is a Kubernetes object, checked in tests/test_cluster_config.py
@@ -49,21 +49,32 @@ def test_runtime_env_is_valid():
     assert POLL_ENV not in env["env_vars"]
 
 
-def test_readme_config_table_is_current():
-    assert config.markdown_reference() in (ROOT / "README.md").read_text(), (
-        "README's config table is stale: paste raylora.config.markdown_reference()"
+def _config_reference():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "dev" / "config_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_config_reference_page_is_current():
+    """docs/reference/config.md is generated from the typed config; a config change regenerates it."""
+    reference = _config_reference()
+    assert reference.PAGE.read_text() == reference.page(), (
+        "docs/reference/config.md differs from raylora/config.py: run `make docs` and commit the page"
     )
 
 
-def test_readme_documents_every_config_key():
+def test_config_reference_documents_every_config_key():
     import dataclasses
     import typing
 
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "reference" / "config.md").read_text()
     hints = typing.get_type_hints(config.Config)
     for section in dataclasses.fields(config.Config):
         for f in dataclasses.fields(hints[section.name]):
-            assert f"`{section.name}.{f.name}`" in readme, f"README lacks {section.name}.{f.name}"
+            assert f"`{section.name}.{f.name}`" in page, f"the config reference lacks {section.name}.{f.name}"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)

@@ -49,9 +49,10 @@ def demo(
     overrides: list[str] | None = None,
 ) -> dict:
     """Run the demo under `out` and return (and write) its summary."""
-    from raylora.driver import init_ray, run
+    from raylora.driver import run
     from raylora.evaluate import evaluate, load_for_inference
     from raylora.plot import plot
+    from raylora.ray_runtime import init_ray
 
     started = time.perf_counter()
     out = Path(out).absolute()

@@ -90,7 +90,7 @@ def prepare(
     if model is not None and not (Path(hub.resolve(model, config_only=True)) / "config.json").is_file():
         raise ConfigError(f"--model: {model} has no config.json (not a Hugging Face model folder)")
 
-    from raylora.driver import init_ray
+    from raylora.ray_runtime import init_ray
 
     init_ray()
     start = time.perf_counter()

@@ -10,11 +10,13 @@ Checkpoint steps and the last step report at their step.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger("raylora")
 EARLIER_ROWS = "earlier_rows"  # the metrics key under which a report carries the rows before its own step
 
 
@@ -67,3 +69,31 @@ class Reporter:
         steps = torch.tensor([max(1, int(self.every_s / max(per_step, 1e-6)))], device=self.device)
         dist.broadcast(steps, src=0)  # rank 0's clock decides for all
         return int(steps.item())
+
+
+def log_progress(metrics: dict, bad_so_far: int, steps_per_s: float) -> None:
+    """One line of the run's progress on rank 0's console."""
+    step, max_steps = metrics["step"], metrics["max_steps"]
+    log.info(
+        "step %d/%d loss %.4f lr %.2e %.1f samples/s %.0f tokens/s bad rows %d eta %.0fs",
+        step,
+        max_steps,
+        metrics["loss"],
+        metrics["lr"],
+        metrics["samples_per_s"],
+        metrics["tokens_per_s"],
+        bad_so_far,
+        (max_steps - step) / max(steps_per_s, 1e-9),
+    )
+
+
+def log_preemption(info, step: int) -> None:
+    """Say which nodes and ranks a coming preemption (a `ray.train.PreemptionInfo`) takes, and by when."""
+    left = f"in {info.deadline_ms / 1000 - time.time():.0f} s" if info.deadline_ms else "at an unknown time"
+    log.warning(
+        "node(s) %s (ranks %s) will be preempted %s: checkpointing at every step from step %d until then",
+        ", ".join(info.preempted_node_ids),
+        info.preempted_ranks,
+        left,
+        step,
+    )

@@ -112,7 +112,8 @@ def run_tune(
     max_trial_failures: int = 2,
 ):
     """Run (or with `resume`, restore and finish) a sweep; returns Tune's ResultGrid."""
-    from raylora.driver import check_shared_storage, init_ray, preflight
+    from raylora.preflight import check_shared_storage, preflight
+    from raylora.ray_runtime import init_ray
 
     base_cfg = config.load(config_path, overrides)
     preflight(base_cfg)

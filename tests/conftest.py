@@ -84,7 +84,7 @@ def ray_cluster():
     """
     import ray
 
-    from raylora.driver import init_ray
+    from raylora.ray_runtime import init_ray
 
     init_ray(num_cpus=6)
     return ray

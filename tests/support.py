@@ -240,7 +240,7 @@ def on_workers(
     import ray.train
 
     from raylora import storage as storages
-    from raylora.driver import Trainer  # Ray's TorchTrainer less the helper actors raylora does not use
+    from raylora.ray_runtime import Trainer  # Ray's TorchTrainer less the helper actors raylora does not use
 
     trainer = Trainer(
         fn,
@@ -286,7 +286,7 @@ class ProbeGroup:
     def __init__(self, storage: str | Path, num_workers: int) -> None:
         from ray.util.queue import Queue
 
-        from raylora.driver import POLL_ENV
+        from raylora.ray_runtime import POLL_ENV
 
         self.num_workers = num_workers
         self.requests, self.replies = Queue(), Queue()

@@ -197,7 +197,7 @@ def _write_chat_jsonl(folder, slots: dict[int, str], rows: int) -> str:
 
 
 def test_bad_row_is_skipped_or_ends_the_run_naming_it(tmp_path):
-    from raylora.worker import _read
+    from raylora.data.steps import read_row as _read
 
     path = _write_chat_jsonl(tmp_path, {1: "corrupt", 2: "text"}, 3)
     rows = open_rows(path)

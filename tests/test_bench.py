@@ -104,7 +104,7 @@ def test_throughput_alongside_pairs_take_turns_on_whole_runs(smoke):
     goal is the median of the pairs' ratios. Having half of the wall time, the run reports and is polled
     at twice a lone run's intervals, so per step of its own as often as alone."""
     from raylora.config import RunConfig
-    from raylora.driver import controller_poll_s
+    from raylora.ray_runtime import controller_poll_s
 
     result = _result(smoke, "throughput")
     size = result["sizes"]["tiny"]
@@ -147,7 +147,7 @@ def test_throughput_floor_takes_turns_with_each_variant(smoke):
     import throughput
 
     from raylora.config import RunConfig
-    from raylora.driver import controller_poll_s
+    from raylora.ray_runtime import controller_poll_s
 
     result = _result(smoke, "throughput --floor", "throughput_floor")
     figures, reps = result["figures"], result["setup"]["repeats"]

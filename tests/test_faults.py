@@ -279,7 +279,7 @@ def test_workers_of_raylora_own_ray_ask_for_no_preemption(ray_cluster, probes):
 
         from ray.train.v2._internal.constants import ENABLE_PREEMPTION_WATCHER_ENV_VAR
 
-        from raylora.driver import started_here
+        from raylora.ray_runtime import started_here
 
         return started_here(), os.environ.get(ENABLE_PREEMPTION_WATCHER_ENV_VAR)
 

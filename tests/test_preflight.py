@@ -184,7 +184,7 @@ def test_limit_length_skips_a_sample_the_processor_rejects(tiny_models):
 
 
 def test_step_batches_counts_a_rejected_row_as_bad(tiny_models, digits, tmp_path, caplog):
-    from raylora.worker import step_batches
+    from raylora.data.steps import step_batches
 
     model = tiny_models("qwen2_vl")
     processor = load_processor(model)

@@ -339,7 +339,7 @@ def test_zero3_steps_start_no_process_once_the_local_size_is_told():
 
 
 def test_core_share_splits_a_node_the_workers_fill():
-    from raylora.worker import core_share
+    from raylora.ray_runtime import core_share
 
     # 2 workers of 1 CPU on 2 cores, and of 8 CPUs on 16 cores (the shipped 7B configs' CPU count):
     # consecutive shares, one per worker, covering the cores once
@@ -365,7 +365,7 @@ def test_bind_cores_binds_the_calling_thread_alone_and_unbound_frees_it():
     import threading
 
     from raylora.config import Config
-    from raylora.worker import bind_cores, unbound
+    from raylora.ray_runtime import bind_cores, unbound
 
     every = os.sched_getaffinity(0)
     cores = sorted(every)

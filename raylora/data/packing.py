@@ -119,7 +119,7 @@ PACKED_SDPA = "raylora_packed_sdpa"
 
 def packed_sdpa(module, query, key, value, attention_mask, cu_seq_lens_q=None, **kwargs):
     """transformers' sdpa attention, one sample at a time where the call carries a packed pass's sample
-    boundaries (`cu_seq_lens_q`, on the host: `worker.to_device` leaves it there, so reading it does not
+    boundaries (`cu_seq_lens_q`, on the host: `data.steps.to_device` leaves it there, so reading it does not
     wait on a GPU); `query` is (1, heads, tokens, dim) then, and the mask built for the row is not used."""
     if cu_seq_lens_q is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

@@ -1,6 +1,6 @@
 """The data checks of the driver's preflight, before Ray starts: the model folder's processor and chat
 template load and serve, no media field goes unread, and a sample of data.train reads, decodes, renders and
-tokenises as a training step would (`raylora.driver.preflight` calls them, the cheap checks first).
+tokenises as a training step would (`raylora.preflight.preflight` calls them, the cheap checks first).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-fast gpu-check gpu-bench gpu-session lint format bench
+.PHONY: install demo test test-fast gpu-check gpu-bench gpu-session lint format bench docs
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,12 @@ gpu-bench: install
 gpu-session:
 	bash bench/gpu_session.sh
 
+# The docs site (MkDocs with Material) into site/, warnings as errors. The config reference page is generated
+# from raylora/config.py first; tests/test_shipped_configs.py fails when the committed page differs.
+docs: install
+	$(PY) dev/config_reference.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
@@ -57,9 +63,9 @@ bench: install
 	$(PY) bench/padding.py
 
 lint: install
-	$(VENV)/bin/ruff check raylora tests bench jobs
-	$(VENV)/bin/ruff format --check raylora tests bench jobs
+	$(VENV)/bin/ruff check raylora tests bench jobs dev
+	$(VENV)/bin/ruff format --check raylora tests bench jobs dev
 
 format: install
-	$(VENV)/bin/ruff check --fix raylora tests bench jobs
-	$(VENV)/bin/ruff format raylora tests bench jobs
+	$(VENV)/bin/ruff check --fix raylora tests bench jobs dev
+	$(VENV)/bin/ruff format raylora tests bench jobs dev

@@ -625,7 +625,7 @@ def test_batches_put_each_image_where_its_tag_stood(llamafactory_data, tiny_mode
         tags = 0
         for turn in turns:
             if "<image>" in turn["content"]:
-                # a tag's own line break goes with it (LLaVA's "<image>\n"; README: Data formats)
+                # a tag's own line break goes with it (LLaVA's "<image>\n"; docs/data.md)
                 pieces = re.split(r"\n?<image>\n?", turn["content"])
                 tags += len(pieces) - 1
                 assert re.search(image.join(re.escape(p) for p in pieces), text), (uri, text)

@@ -1,4 +1,4 @@
-"""The data formats raylora reads, each row into one `raylora.data.sample.Sample` (README: Data formats).
+"""The data formats raylora reads, each row into one `raylora.data.sample.Sample` (docs/data.md).
 
 - `raylora`: Parquet with columns image (encoded bytes), prompt, answer: one user turn, one answer.
 - `chat`: `messages` of `{role, content}` turns (Hugging Face, TRL, OpenAI, axolotl, ms-swift, LLaMA-Factory's

@@ -1,5 +1,5 @@
 """What a sample trains on: the conversation rendered once with the model's own chat template and
-tokenised once by its processor, labels on every assistant turn and its stop token (README: Labels and
+tokenised once by its processor, labels on every assistant turn and its stop token (docs/data.md: Labels and
 stop tokens).
 """
 

@@ -106,7 +106,7 @@ def check_unread_fields(rows: Rows) -> None:
         raise ConfigError(
             f"data.train: {rows.uri}: field(s) {', '.join(media)} hold media that raylora's reader of the "
             f"{rows.format} format does not read: training would drop it and keep the text around it. "
-            f"Remove the field(s) or write the rows in a format that carries them (README: Data formats)"
+            f"Remove the field(s) or write the rows in a format that carries them (docs/data.md)"
         )
     if unread:
         log.warning(

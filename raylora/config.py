@@ -131,6 +131,15 @@ class DataConfig:
     """Frames sampled per video, evenly spaced, instead of data.video_fps (setting both is refused)."""
     video_max_frames: int = 128
     """Most frames sampled from one video (LLaMA-Factory's video_maxlen); a longer one is sampled sparser."""
+    video_max_pixels: int | None = None
+    """Most pixels per video frame (LLaMA-Factory's video_max_pixels), handed to the video processor;
+    refused where it has no such cap (docs/data.md). Unset: the model folder's own setting."""
+    video_min_pixels: int | None = None
+    """Fewest pixels per video frame (LLaMA-Factory's video_min_pixels; Qwen2-VL family only: smaller
+    frames are upscaled). Unset: the model folder's own setting."""
+    video_total_pixels: int | None = None
+    """Most pixels of one video, all its sampled frames together (qwen-vl-utils' total_pixels, which
+    counts frame pairs, is half of it). Unset: the model folder's own setting."""
     video_stand_in: bool | None = None
     """Give each pass a video (a blank stand-in where it has none): ZeRO-3 ranks run the same video passes;
     unset: on where the driver's preflight finds video rows or a video field in data.train."""
@@ -650,9 +659,17 @@ def _validate_memory(cfg: Config) -> None:
         "data.video_fps": d.video_fps,
         "data.video_num_frames": d.video_num_frames,
         "data.video_max_frames": d.video_max_frames,
+        "data.video_max_pixels": d.video_max_pixels,
+        "data.video_min_pixels": d.video_min_pixels,
+        "data.video_total_pixels": d.video_total_pixels,
     }.items():
         if value is not None and value <= 0:
             raise ConfigError(f"{key} must be positive when set, got {value}")
+    if None not in (d.video_min_pixels, d.video_max_pixels) and d.video_min_pixels > d.video_max_pixels:
+        raise ConfigError(
+            f"data.video_min_pixels ({d.video_min_pixels}) exceeds "
+            f"data.video_max_pixels ({d.video_max_pixels})"
+        )
 
 
 def markdown_reference() -> str:

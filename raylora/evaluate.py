@@ -103,7 +103,9 @@ def load_for_inference(
             raise checkpoint.CheckpointError(f"{folder}: trained modules not in the model: {unexpected[:3]}")
     model.eval()
     data = state.config.get("data", {})  # the resolution the adapter was trained at
-    processor = load_processor(model_path, data.get("max_pixels"), data.get("min_pixels"), trust)
+    processor = load_processor(
+        model_path, data.get("max_pixels"), data.get("min_pixels"), trust, video.PixelCaps.of(data)
+    )
     # frames sampled as in training (one process: no ranks to keep in step, so no video stand-in)
     sampling = video.Sampling(
         data.get("video_fps"), data.get("video_num_frames"), data.get("video_max_frames", 128)

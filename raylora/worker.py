@@ -86,7 +86,9 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | Non
     # Rows are read when a step uses them: a bad one is met (and skipped) there, not looked for here.
     d = cfg.data
     data = open_rows(d.train, d.format, d.image_root)
-    processor = load_processor(model_dir, d.max_pixels, d.min_pixels, cfg.model.trust_remote_code)
+    processor = load_processor(
+        model_dir, d.max_pixels, d.min_pixels, cfg.model.trust_remote_code, video.PixelCaps.of(d)
+    )
     check_chat_template(processor)  # a template whose turns cannot be labelled fails the start, not a step
     # before any batch: every rank's passes alike
     use_video_stand_in(processor, d.video_stand_in, video.Sampling.of(d))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from pathlib import Path
 
 import av
@@ -137,6 +138,12 @@ def test_video_settings_are_checked(tmp_path):
         tiny_run_config("m", "d", tmp_path, "v", "data.video_fps=1", "data.video_num_frames=4")
     with pytest.raises(ConfigError, match="data.video_max_frames must be positive"):
         tiny_run_config("m", "d", tmp_path, "v", "data.video_max_frames=0")
+    with pytest.raises(ConfigError, match="data.video_total_pixels must be positive"):
+        tiny_run_config("m", "d", tmp_path, "v", "data.video_total_pixels=0")
+    with pytest.raises(
+        ConfigError, match=r"data.video_min_pixels \(512\) exceeds data.video_max_pixels \(256\)"
+    ):
+        tiny_run_config("m", "d", tmp_path, "v", "data.video_min_pixels=512", "data.video_max_pixels=256")
 
 
 def test_a_video_that_cannot_be_trained_on_is_a_bad_row_naming_why(tmp_path):
@@ -299,6 +306,122 @@ def test_video_tokens_count_towards_max_length(clips, tiny_models):
     assert too_long == [0]
     _, too_long = limit_length(processor, [sample], max_length=length)
     assert too_long == []
+
+
+# ---- part 2: the video processor's pixel caps, per frame and per video ------------------------------
+
+
+def _video_grid(processor, sample) -> tuple[int, ...]:
+    """(temporal patches, patch rows, patch columns) of the sample's one video, once its tokens are checked
+    against the grid (each 2x2 merged patch of each temporal patch is one token)."""
+    row = encode(processor, sample)
+    grid = tuple(row.vision["video_grid_thw"][0][0].tolist())
+    tokens = int((torch.tensor(row.tokens["input_ids"]) == processor.video_token_id).sum())
+    assert tokens == math.prod(grid) // processor.video_processor.merge_size**2
+    return grid
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl"])
+def test_video_pixel_caps_qwen2_vl_scale_each_frame(arch, clips, tiny_models, tmp_path):
+    """Qwen2-VL's video processor scales each frame into [data.video_min_pixels, data.video_max_pixels]
+    (its smart_resize); data.video_total_pixels is its own whole-video budget (cap_pixels_per_frame,
+    max_video_tokens): each frame gets 2 * int(max_video_tokens * factor^2 * 0.9) / frames pixels at most."""
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import smart_resize
+
+    folder = tiny_models(arch)
+    sample = read(open_rows(str(clips / "mllm_video_demo.json")), 0)
+    frames = len(sample[2][0].frames)
+    assert frames == 4 and sample[2][0].frames.shape[1:3] == (EDGE, EDGE)
+
+    def expected(processor, max_pixels: int) -> tuple[int, ...]:
+        vp = processor.video_processor
+        h, w = smart_resize(EDGE, EDGE, vp.patch_size * vp.merge_size, vp.size.shortest_edge, max_pixels)
+        return (frames // 2, h // vp.patch_size, w // vp.patch_size)
+
+    own = load_processor(folder)
+    assert _video_grid(own, sample) == expected(own, 2048) == (2, 8, 8)  # 32x32 fits the folder's 2048
+    for caps, grid in [
+        (video.PixelCaps(max_pixels=256), (2, 4, 4)),  # each frame down to 16x16
+        (video.PixelCaps(max_pixels=1024), (2, 8, 8)),  # 32x32 fits: unchanged
+        (video.PixelCaps(min_pixels=4096, max_pixels=8192), (2, 16, 16)),  # each frame up to 64x64
+    ]:
+        processor = load_processor(folder, video_caps=caps)
+        assert _video_grid(processor, sample) == expected(processor, caps.max_pixels) == grid, caps
+    for total in (2048, 4096, 16384):
+        processor = load_processor(folder, video_caps=video.PixelCaps(total_pixels=total))
+        vp = processor.video_processor
+        factor = vp.patch_size * vp.merge_size
+        budget = int(vp.max_video_tokens * factor**2 * 0.9)  # the processor's own arithmetic
+        assert budget <= total // 2 < int((vp.max_video_tokens + 1) * factor**2 * 0.9)  # the most tokens
+        per_frame = max(min(vp.size.longest_edge, budget * 2 // frames), int(vp.size.shortest_edge * 1.05))
+        grid = _video_grid(processor, sample)
+        assert grid == expected(processor, per_frame)
+        assert frames * grid[1] * grid[2] * vp.patch_size**2 <= total
+    assert [
+        _video_grid(load_processor(folder, video_caps=video.PixelCaps(total_pixels=t)), sample)
+        for t in (2048, 4096, 16384)
+    ] == [(2, 4, 4), (2, 6, 6), (2, 8, 8)]  # 4 frames of 16x16, of 24x24 (4096 less the rounding), 32x32
+
+
+def test_video_pixel_caps_qwen3_vl_scale_the_whole_video(clips, tiny_models):
+    """Qwen3-VL's video processor scales a video as a whole, frames x pixels within size.longest_edge
+    (data.video_total_pixels); data.video_max_pixels is its ceiling per frame, in tokens
+    (cap_pixels_per_frame, max_video_tokens)."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+    folder = tiny_models("qwen3_vl")
+    sample = read(open_rows(str(clips / "mllm_video_demo.json")), 0)
+    frames = len(sample[2][0].frames)
+
+    def expected(processor, max_pixels: int) -> tuple[int, ...]:
+        vp = processor.video_processor
+        factor = vp.patch_size * vp.merge_size
+        h, w = smart_resize(frames, EDGE, EDGE, 2, factor, vp.size.shortest_edge, max_pixels)
+        return (frames // 2, h // vp.patch_size, w // vp.patch_size)
+
+    own = load_processor(folder)
+    assert _video_grid(own, sample) == expected(own, 2048) == (2, 4, 4)  # 4 x 32x32 is over 2048: 16x16
+    processor = load_processor(folder, video_caps=video.PixelCaps(total_pixels=8192))
+    assert _video_grid(processor, sample) == expected(processor, 8192) == (2, 8, 8)  # fits: 32x32
+    processor = load_processor(folder, video_caps=video.PixelCaps(total_pixels=8192, max_pixels=600))
+    vp = processor.video_processor
+    assert vp.cap_pixels_per_frame and vp.max_video_tokens == 600 // 64  # whole tokens: 9 of 8x8 pixels
+    per_frame = max(min(vp.max_video_tokens * 64, 8192 // frames), int(vp.size.shortest_edge * 1.05))
+    assert _video_grid(processor, sample) == expected(processor, per_frame * frames) == (2, 6, 6)  # 24x24
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, message",
+    [
+        ("llava", ["data.video_max_pixels=4096"], "the model's processor (LlavaProcessor) takes no videos"),
+        (
+            "gemma4",
+            ["data.video_total_pixels=4096"],
+            "video processor (Gemma4VideoProcessor) has no pixel caps",
+        ),
+        ("qwen3_vl", ["data.video_min_pixels=256"], "Qwen3VLVideoProcessor scales a video as a whole"),
+        (
+            "qwen3_vl",
+            ["data.video_max_pixels=128"],
+            "is below the floor Qwen3VLVideoProcessor keeps per frame",
+        ),
+        ("qwen3_vl", ["data.video_total_pixels=128"], "is below the model folder's fewest pixels per video"),
+        ("glm4v", ["data.video_max_pixels=4096"], "Glm4vVideoProcessor has no cap per frame, only per video"),
+        ("qwen2_vl", ["data.video_min_pixels=4096"], "data.video_min_pixels (4096) exceeds the most pixels"),
+        ("qwen2_vl", ["data.video_total_pixels=100"], "too few pixels for one video token (8x8"),
+    ],
+)
+def test_video_pixel_caps_a_processor_cannot_honour_are_refused_before_ray(
+    arch, overrides, message, clips, tiny_models, tmp_path
+):
+    """The driver's preflight loads the processor as the workers will (`checked_processor`), before Ray."""
+    from raylora.data.preflight import checked_processor
+
+    model = tiny_models(arch)
+    cfg = tiny_run_config(model, str(clips / "mllm_video_demo.json"), tmp_path, "v", *overrides)
+    with pytest.raises(ConfigError) as err:
+        checked_processor(cfg, Path(model))
+    assert message in str(err.value)
 
 
 # ---- part 3: exact training -------------------------------------------------------------------------

@@ -16,6 +16,6 @@
   Data, is `raylora.prepare`.)
 
 Imports flow one way: preflight -> batches -> labels, formats; pipeline -> formats -> records, turns,
-alpaca, llamafactory -> rows -> sample; formats, labels -> video; processor, sampler and video stand on their
-own (config only, or nothing).
+alpaca, llamafactory -> rows -> sample; formats, labels, processor -> video; processor, sampler and video
+stand on their own otherwise (config only, or nothing).
 """

@@ -46,7 +46,8 @@ def count(processor, rows: Rows, indices: range) -> list[int]:
 
 
 def source_key(cfg: Config, rows: Rows) -> dict:
-    """What the counts follow from: the data, the model's processor and its image size limits."""
+    """What the counts follow from: the data, the model's processor, its image size limits and the video
+    settings (frames sampled, pixel caps)."""
     d, m = cfg.data, cfg.model
     return {
         "data.train": d.train,
@@ -57,6 +58,17 @@ def source_key(cfg: Config, rows: Rows) -> dict:
         "model.revision": m.revision,
         "data.max_pixels": d.max_pixels,
         "data.min_pixels": d.min_pixels,
+        **{
+            f"data.{k}": getattr(d, k)
+            for k in (
+                "video_fps",
+                "video_num_frames",
+                "video_max_frames",
+                "video_max_pixels",
+                "video_min_pixels",
+                "video_total_pixels",
+            )
+        },
     }
 
 

@@ -45,7 +45,11 @@ def checked_processor(cfg: Config, model_dir: Path):
     or a `ConfigError` naming the files that do not serve."""
     try:
         processor = load_processor(
-            model_dir, cfg.data.max_pixels, cfg.data.min_pixels, cfg.model.trust_remote_code
+            model_dir,
+            cfg.data.max_pixels,
+            cfg.data.min_pixels,
+            cfg.model.trust_remote_code,
+            video.PixelCaps.of(cfg.data),
         )
     except ConfigError:
         raise

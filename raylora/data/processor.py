@@ -1,6 +1,7 @@
 """Loading a model folder's processor: image size caps (`cap_image_size`: data.max_pixels,
-data.min_pixels), folders laid out as the Hub lays them out, and an image-only fallback for nodes
-without torchvision.
+data.min_pixels), video size caps (`cap_video_size`: data.video_min_pixels, data.video_max_pixels,
+data.video_total_pixels), folders laid out as the Hub lays them out, and an image-only fallback for
+nodes without torchvision.
 
 The processor class is found where transformers 5.23's `AutoProcessor` looks for it
 (`processor_class_name`): the Hub's Qwen2-VL and Qwen2.5-VL folders have no `processor_config.json` and
@@ -36,6 +37,7 @@ from transformers.utils import (
 )
 
 from raylora.config import ConfigError
+from raylora.data.video import PixelCaps
 
 
 @functools.cache
@@ -87,12 +89,15 @@ def load_processor(
     max_pixels: int | None = None,
     min_pixels: int | None = None,
     trust_remote_code: bool = False,
+    video_caps: PixelCaps | None = None,
 ):
     """The model folder's processor, with images capped at `max_pixels` / `min_pixels` (data.max_pixels,
-    data.min_pixels) where the architecture's image processor has a resolution knob (`cap_image_size`).
+    data.min_pixels) where the architecture's image processor has a resolution knob (`cap_image_size`),
+    and videos at `video_caps` (data.video_*_pixels, `cap_video_size`).
     `trust_remote_code` (model.trust_remote_code): a processor the folder's own code defines (`auto_map`)."""
     processor = _from_pretrained(model_path, trust_remote_code)
     cap_image_size(processor.image_processor, max_pixels, min_pixels)
+    cap_video_size(processor, video_caps or PixelCaps())
     return processor
 
 
@@ -132,6 +137,103 @@ def cap_image_size(image_processor, max_pixels: int | None, min_pixels: int | No
             f"{_fixed_size(image_processor)}, so there is no resolution to cap; leave them unset"
         )
     image_processor.size = SizeDict(**size)
+
+
+# Video processors that scale each frame on its own, and those that scale a video as a whole (smart_resize
+# over frames x height x width), as transformers 5.23 writes them.
+PER_FRAME = ("Qwen2VLVideoProcessor",)  # Qwen2-VL, Qwen2.5-VL
+# Qwen3-VL, Qwen3.5; GLM-4.1V, GLM-4.5V; GLM-4.6V
+WHOLE_VIDEO = ("Qwen3VLVideoProcessor", "Glm4vVideoProcessor", "Glm46VVideoProcessor")
+# Qwen2-VL's video budget is 90% of `max_video_tokens` tokens' worth of pixels (qwen-vl-utils' total_pixels)
+BUDGET_SHARE = 0.9
+
+
+def cap_video_size(processor, caps: PixelCaps) -> None:
+    """Hand the video pixel caps to the processor's video processor, or refuse them (`ConfigError`).
+
+    - Qwen2-VL and Qwen2.5-VL (`Qwen2VLVideoProcessor`) scale each frame so that its pixel count lies in
+      `[size.shortest_edge, size.longest_edge]`: data.video_min_pixels and data.video_max_pixels go there.
+      Its whole-video budget is `cap_pixels_per_frame` with `max_video_tokens`: each frame gets at most
+      2 * int(max_video_tokens * factor^2 * 0.9) / frames pixels (two frames make one temporal patch, as
+      qwen-vl-utils counts its total_pixels) and never fewer than 1.05 * size.shortest_edge.
+      data.video_total_pixels turns it on with the most whole tokens that keep frames x pixels within it.
+    - Qwen3-VL, Qwen3.5 (`Qwen3VLVideoProcessor`) and the GLM-V families (`Glm4vVideoProcessor`,
+      `Glm46VVideoProcessor`) scale a video as a whole so that frames x pixels lies in
+      `[size.shortest_edge, size.longest_edge]`: data.video_total_pixels is size.longest_edge, and there
+      is no minimum per frame. Qwen3-VL's ceiling per frame is `cap_pixels_per_frame` with
+      `max_video_tokens` tokens a frame, floored at 1.05 * size.shortest_edge: data.video_max_pixels turns
+      it on (in whole tokens); the GLM-V processors have none.
+    - Any other video processor (or none) has no such caps: setting one is an error that says so.
+    """
+    if not caps:
+        return
+    video_processor = getattr(processor, "video_processor", None)
+    if video_processor is None:
+        raise ConfigError(
+            f"data.video_*_pixels: the model's processor ({type(processor).__name__}) takes no videos; "
+            "leave them unset"
+        )
+    name = type(video_processor).__name__
+    if name not in PER_FRAME + WHOLE_VIDEO:
+        raise ConfigError(
+            f"data.video_*_pixels: the model's video processor ({name}) has no pixel caps raylora can "
+            f"set (its size: {getattr(video_processor, 'size', None)}); leave them unset"
+        )
+    size = dict(video_processor.size)
+    factor = video_processor.patch_size * video_processor.merge_size
+    if name in PER_FRAME:
+        size["shortest_edge"] = caps.min_pixels or size["shortest_edge"]
+        size["longest_edge"] = caps.max_pixels or size["longest_edge"]
+        if size["shortest_edge"] > size["longest_edge"]:
+            raise ConfigError(
+                f"data.video_min_pixels ({size['shortest_edge']}) exceeds the most pixels per frame "
+                f"({size['longest_edge']}, data.video_max_pixels or the model folder's own)"
+            )
+        if caps.total_pixels is not None:
+            # frames x pixels <= total: the budget per frame pair (one temporal patch) is half of it
+            tokens = int(caps.total_pixels // 2 / (factor * factor * BUDGET_SHARE)) + 1
+            while tokens and int(tokens * factor * factor * BUDGET_SHARE) > caps.total_pixels // 2:
+                tokens -= 1  # the processor's own rounding decides: the most tokens within the cap
+            _at_least_a_token("data.video_total_pixels", caps.total_pixels, factor, tokens)
+            video_processor.cap_pixels_per_frame = True
+            video_processor.max_video_tokens = tokens
+    else:
+        if caps.min_pixels is not None:
+            raise ConfigError(
+                f"data.video_min_pixels: {name} scales a video as a whole (frames x pixels) and has no "
+                "minimum per frame; leave it unset"
+            )
+        if caps.total_pixels is not None:
+            size["longest_edge"] = caps.total_pixels
+            if size["shortest_edge"] > size["longest_edge"]:
+                raise ConfigError(
+                    f"data.video_total_pixels ({caps.total_pixels}) is below the model folder's fewest "
+                    f"pixels per video ({size['shortest_edge']}, {name}'s size.shortest_edge)"
+                )
+        if caps.max_pixels is not None:
+            if name != "Qwen3VLVideoProcessor":
+                raise ConfigError(
+                    f"data.video_max_pixels: {name} has no cap per frame, only per video; set "
+                    "data.video_total_pixels instead"
+                )
+            tokens = caps.max_pixels // (factor * factor)
+            _at_least_a_token("data.video_max_pixels", caps.max_pixels, factor, tokens)
+            floor = int(size["shortest_edge"] * 1.05)
+            if tokens * factor * factor < floor:
+                raise ConfigError(
+                    f"data.video_max_pixels ({caps.max_pixels}) is below the floor {name} keeps per frame "
+                    f"({floor}: 1.05 x its size.shortest_edge, {size['shortest_edge']}), so it would not cap"
+                )
+            video_processor.cap_pixels_per_frame = True
+            video_processor.max_video_tokens = tokens
+    video_processor.size = SizeDict(**size)
+
+
+def _at_least_a_token(key: str, pixels: int, factor: int, tokens: int) -> None:
+    if tokens < 1:
+        raise ConfigError(
+            f"{key} ({pixels}) is too few pixels for one video token ({factor}x{factor} pixels of a frame)"
+        )
 
 
 def check_image_caps(model_path: str | Path, max_pixels: int | None, min_pixels: int | None) -> None:

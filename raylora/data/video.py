@@ -69,6 +69,26 @@ class Sampling:
         return max(FRAME_FACTOR, n // FRAME_FACTOR * FRAME_FACTOR)
 
 
+@dataclass(frozen=True)
+class PixelCaps:
+    """The video processor's pixel caps (data.video_min_pixels and data.video_max_pixels for each frame,
+    data.video_total_pixels for a whole video); None: the model folder's own. `raylora.data.processor`
+    hands them to the processor (`cap_video_size`)."""
+
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    total_pixels: int | None = None
+
+    @classmethod
+    def of(cls, data) -> PixelCaps:
+        """The caps of a `DataConfig`, or of its dict (the config a checkpoint keeps)."""
+        get = data.get if isinstance(data, dict) else lambda key: getattr(data, key, None)
+        return cls(get("video_min_pixels"), get("video_max_pixels"), get("video_total_pixels"))
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in (self.min_pixels, self.max_pixels, self.total_pixels))
+
+
 @dataclass
 class Video:
     """A decoded video: its sampled frames (frames, height, width, 3; uint8) and `VideoMetadata`."""

@@ -1,4 +1,4 @@
-"""What a raylora checkpoint holds, defined in one place; `save` and `load` side by side.
+"""What a raylora checkpoint holds, defined in one place; `Writer` and `Ranges` side by side.
 
 A checkpoint holds only what training changed, as full (unpartitioned) fp32 tensors keyed by name,
 so it restores on any number of workers:
@@ -299,130 +299,6 @@ class Writer:
         os.replace(tmp, folder / MANIFEST)
 
 
-def save(
-    folder: str | Path,
-    weights: dict[str, torch.Tensor],
-    moments: dict[str, torch.Tensor],
-    state: TrainState,
-    adapter_config,
-) -> None:
-    """Write a checkpoint of whole tensors into `folder` (which must be new or empty); the manifest goes
-    last. Training writes through `Writer` piece by piece; this is the same writer, fed whole tensors."""
-    writer = Writer(folder, {n: list(t.shape) for n, t in weights.items()})
-    for name, tensor in weights.items():
-        writer.write(name, "weight", 0, tensor)
-        for kind in MOMENTS:
-            writer.write(name, kind, 0, moments[f"{name}.{kind}"])
-    writer.finish(state, adapter_config)
-
-
-def is_complete(folder: str, filesystem: Any) -> bool:
-    """Whether a checkpoint folder of a run's storage has its manifest (written last, so an upload cut
-    short has none); says nothing about whether the files match it."""
-    import pyarrow.fs
-
-    path = posixpath.join(folder, MANIFEST)
-    return filesystem.get_file_info(path).type == pyarrow.fs.FileType.File
-
-
-def _on(folder: str | Path, filesystem: Any) -> tuple[Any, str]:
-    """(pyarrow filesystem, path in it) of a checkpoint folder; unset `filesystem`: the local disk."""
-    import pyarrow.fs
-
-    if filesystem is None:
-        return pyarrow.fs.LocalFileSystem(), os.path.abspath(folder)
-    return filesystem, str(folder).rstrip("/")
-
-
-def _read_manifest(fs: Any, folder: str, where: str | Path) -> dict[str, Any]:
-    import pyarrow.fs
-
-    path = posixpath.join(folder, MANIFEST)
-    try:
-        if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
-            raise FileNotFoundError(path)
-        with fs.open_input_stream(path) as f:
-            manifest = json.loads(f.read())
-        manifest["files"].items()
-    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise CheckpointError(
-            f"{where}: {MANIFEST} missing or unreadable ({err}); checkpoint incomplete"
-        ) from err
-    check_format(manifest.get("format"), where)
-    return manifest
-
-
-def verify(folder: str | Path, filesystem: Any = None, hashes: bool = True) -> dict[str, Any]:
-    """Check every file against the manifest; raise `CheckpointError` naming the folder and file.
-
-    `filesystem`: a pyarrow filesystem that `folder` is a path of (a run's storage); unset: local.
-    `hashes=False` checks that every file is there at the manifest's size, without reading it.
-    Any other `OSError` (an I/O error, a timeout on network storage) is raised as it is: it says nothing
-    about the checkpoint, and a reader may retry it.
-    """
-    import pyarrow.fs
-
-    fs, path = _on(folder, filesystem)
-    manifest = _read_manifest(fs, path, folder)
-    for name, entry in manifest["files"].items():
-        info = fs.get_file_info(posixpath.join(path, name))
-        if info.type != pyarrow.fs.FileType.File:
-            raise CheckpointError(f"{folder}: file {name} listed in the manifest is missing")
-        if info.size != entry["bytes"]:
-            raise CheckpointError(
-                f"{folder}: file {name} has {info.size} bytes, manifest says "
-                f"{entry['bytes']} (truncated or altered)"
-            )
-        if hashes and _sha256_on(fs, posixpath.join(path, name)) != entry["sha256"]:
-            raise CheckpointError(
-                f"{folder}: file {name} does not match its sha256 in the manifest (altered)"
-            )
-    return manifest
-
-
-def _sha256_on(fs: Any, path: str) -> str:
-    digest = hashlib.sha256()
-    with fs.open_input_stream(path) as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@dataclass
-class Loaded:
-    """A checkpoint read whole (export, evaluation, tests); `Ranges` reads only the parts a rank needs."""
-
-    weights: dict[str, torch.Tensor]
-    """fp32 masters by base parameter name (LoRA and trained modules together)."""
-    moments: dict[str, torch.Tensor]
-    """Adam moments keyed `<name>.exp_avg` / `<name>.exp_avg_sq`."""
-    state: TrainState
-
-    def weight_range(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) of parameter `name`'s flattened fp32 master."""
-        return self.weights[name].reshape(-1)[start:stop]
-
-    def moment_range(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor:
-        """Elements [start, stop) of parameter `name`'s flattened Adam moment `kind`."""
-        return self.moments[f"{name}.{kind}"].reshape(-1)[start:stop]
-
-
-def load(folder: str | Path) -> Loaded:
-    """Verify and read a checkpoint written by `save` (safetensors and JSON only)."""
-    folder = Path(folder)
-    verify(folder)
-    state = _parse_state((folder / STATE).read_bytes(), folder)
-    lora_by_key = {adapter_key(n): n for n in state.trainable if is_adapter(n)}
-    weights = {}
-    for key, tensor in load_file(folder / ADAPTER_WEIGHTS).items():
-        if key not in lora_by_key:
-            raise CheckpointError(f"{folder}: {ADAPTER_WEIGHTS} holds {key}, which state.json does not list")
-        weights[lora_by_key[key]] = tensor
-    weights.update(load_file(folder / TRAINED_MODULES))
-    moments = load_file(folder / OPTIMIZER)
-    return Loaded(weights=weights, moments=moments, state=state)
-
-
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
@@ -507,6 +383,78 @@ class Ranges:
         for f in self._open.values():
             f.close()
         self._open.clear()
+
+
+def is_complete(folder: str, filesystem: Any) -> bool:
+    """Whether a checkpoint folder of a run's storage has its manifest (written last, so an upload cut
+    short has none); says nothing about whether the files match it."""
+    import pyarrow.fs
+
+    path = posixpath.join(folder, MANIFEST)
+    return filesystem.get_file_info(path).type == pyarrow.fs.FileType.File
+
+
+def _on(folder: str | Path, filesystem: Any) -> tuple[Any, str]:
+    """(pyarrow filesystem, path in it) of a checkpoint folder; unset `filesystem`: the local disk."""
+    import pyarrow.fs
+
+    if filesystem is None:
+        return pyarrow.fs.LocalFileSystem(), os.path.abspath(folder)
+    return filesystem, str(folder).rstrip("/")
+
+
+def _read_manifest(fs: Any, folder: str, where: str | Path) -> dict[str, Any]:
+    import pyarrow.fs
+
+    path = posixpath.join(folder, MANIFEST)
+    try:
+        if fs.get_file_info(path).type != pyarrow.fs.FileType.File:
+            raise FileNotFoundError(path)
+        with fs.open_input_stream(path) as f:
+            manifest = json.loads(f.read())
+        manifest["files"].items()
+    except (FileNotFoundError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointError(
+            f"{where}: {MANIFEST} missing or unreadable ({err}); checkpoint incomplete"
+        ) from err
+    check_format(manifest.get("format"), where)
+    return manifest
+
+
+def verify(folder: str | Path, filesystem: Any = None, hashes: bool = True) -> dict[str, Any]:
+    """Check every file against the manifest; raise `CheckpointError` naming the folder and file.
+
+    `filesystem`: a pyarrow filesystem that `folder` is a path of (a run's storage); unset: local.
+    `hashes=False` checks that every file is there at the manifest's size, without reading it.
+    Any other `OSError` (an I/O error, a timeout on network storage) is raised as it is: it says nothing
+    about the checkpoint, and a reader may retry it.
+    """
+    import pyarrow.fs
+
+    fs, path = _on(folder, filesystem)
+    manifest = _read_manifest(fs, path, folder)
+    for name, entry in manifest["files"].items():
+        info = fs.get_file_info(posixpath.join(path, name))
+        if info.type != pyarrow.fs.FileType.File:
+            raise CheckpointError(f"{folder}: file {name} listed in the manifest is missing")
+        if info.size != entry["bytes"]:
+            raise CheckpointError(
+                f"{folder}: file {name} has {info.size} bytes, manifest says "
+                f"{entry['bytes']} (truncated or altered)"
+            )
+        if hashes and _sha256_on(fs, posixpath.join(path, name)) != entry["sha256"]:
+            raise CheckpointError(
+                f"{folder}: file {name} does not match its sha256 in the manifest (altered)"
+            )
+    return manifest
+
+
+def _sha256_on(fs: Any, path: str) -> str:
+    digest = hashlib.sha256()
+    with fs.open_input_stream(path) as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def check_compatible(state: TrainState, expected: dict[str, list[int]], folder: str | Path = "") -> None:

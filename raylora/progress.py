@@ -211,27 +211,6 @@ class MetricsLog(UserCallback):
         )
 
 
-ATTEMPTS_FILE = "raylora_attempts.json"
-
-
-def count_attempt(storage_path: str, name: str) -> int:
-    """Record that the run's worker group started once more; returns how many times it has started.
-
-    Counted in the run folder, not in checkpoints: a worker group that dies before its first
-    checkpoint leaves no trace there, but it was a restart all the same.
-    """
-    fs, folder = run_folder(storage_path, name)
-    path = posixpath.join(folder, ATTEMPTS_FILE)
-    attempts = 0
-    if fs.get_file_info(path).type == pyarrow.fs.FileType.File:
-        with fs.open_input_stream(path) as f:
-            attempts = int(json.loads(f.read()).get("attempts", 0))
-    fs.create_dir(folder, recursive=True)
-    with fs.open_output_stream(path) as f:
-        f.write(json.dumps({"attempts": attempts + 1}).encode())
-    return attempts + 1
-
-
 def _scalars(row: dict) -> dict[str, float]:
     return {
         k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "wall_time")

@@ -1,5 +1,5 @@
-"""Choosing what a run resumes from, refusing what it must not resume from, and clearing what a
-crashed attempt left behind.
+"""Restarts: choosing what a run resumes from, refusing what it must not resume from, counting the
+attempts, and clearing what a crashed attempt left behind.
 
 - On the workers: Ray hands every rank the latest reported checkpoint. Rank 0 alone decides what is
   restored: if that checkpoint is torn or damaged (a file missing, truncated or altered per the
@@ -10,14 +10,16 @@ crashed attempt left behind.
 - On the driver, before Ray Train starts: a run that will resume is checked against its checkpoint
   (architecture, base model, LoRA rank and targets, what is trained, the sample order), so a mismatch
   is one clear error instead of a worker crash retried `max_failures` times.
-- At the start of every attempt: the local folders a crashed rank 0 was writing a checkpoint into, and
-  the checkpoint folders of uploads that never completed, are removed.
+- At the start of every attempt: the run's count of attempts goes up (`count_attempt`), and the local
+  folders a crashed rank 0 was writing a checkpoint into, and the checkpoint folders of uploads that
+  never completed, are removed.
 """
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import posixpath
@@ -54,6 +56,27 @@ def base_model_fingerprint(model_path: str | Path, sample: int = 1 << 20) -> dic
             f.seek(max(0, size - sample))
             digest.update(f.read(sample))
     return {"sha256": digest.hexdigest(), "weight_bytes": weight_bytes}
+
+
+ATTEMPTS_FILE = "raylora_attempts.json"
+
+
+def count_attempt(storage_path: str, name: str) -> int:
+    """Record that the run's worker group started once more; returns how many times it has started.
+
+    Counted in the run folder, not in checkpoints: a worker group that dies before its first
+    checkpoint leaves no trace there, but it was a restart all the same.
+    """
+    fs, folder = run_folder(storage_path, name)
+    path = posixpath.join(folder, ATTEMPTS_FILE)
+    attempts = 0
+    if fs.get_file_info(path).type == pyarrow.fs.FileType.File:
+        with fs.open_input_stream(path) as f:
+            attempts = int(json.loads(f.read()).get("attempts", 0))
+    fs.create_dir(folder, recursive=True)
+    with fs.open_output_stream(path) as f:
+        f.write(json.dumps({"attempts": attempts + 1}).encode())
+    return attempts + 1
 
 
 def _checkpoint_folders(fs: pyarrow.fs.FileSystem, run_dir: str) -> list[str]:

@@ -35,7 +35,7 @@ from raylora.drills import maybe_kill
 from raylora.ds import deepspeed, tell_local_size
 from raylora.evaluate import evaluate_sharded
 from raylora.model import build_model, mark_trained, shapes
-from raylora.progress import bad_rows_before, count_attempt
+from raylora.progress import bad_rows_before
 from raylora.ray_runtime import bind_cores, unbound
 from raylora.redact import redact
 from raylora.reporting import Reporter, log_preemption, log_progress
@@ -49,16 +49,16 @@ UPLOAD_MODES = {
 }
 
 
-def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | None) -> Setup:
+def setup(cfg: Config, restore_from: checkpoint.Ranges | None) -> Setup:
     """Build the model and engine on this rank and, when given a checkpoint, restore it exactly (reading
-    only this rank's slices of it from a `checkpoint.Ranges`)."""
+    only this rank's slices of it from a `checkpoint.Ranges`, or from any `zero.Source` with a `state`)."""
     determinism.use_deterministic_kernels(cfg.train.deterministic)  # first: before any cuBLAS call
     # DeepSpeed adopts the process group Ray Train set up (gloo on CPU, nccl on GPU); zero.Init inside
     # from_pretrained needs it to know the world size.
     tell_local_size()
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     rank, world = dist.get_rank(), dist.get_world_size()
-    started = [count_attempt(cfg.run.storage_path, cfg.run.name) if rank == 0 else 0]
+    started = [resume.count_attempt(cfg.run.storage_path, cfg.run.name) if rank == 0 else 0]
     dist.broadcast_object_list(started, src=0)
     model_dir = hub.resolve(cfg.model.path, cfg.model.revision)
     arch = for_model(model_dir, cfg.model)
@@ -126,7 +126,7 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | checkpoint.Loaded | Non
     return s
 
 
-def restore(s: Setup, restore_from: checkpoint.Ranges | checkpoint.Loaded) -> None:
+def restore(s: Setup, restore_from: checkpoint.Ranges) -> None:
     """The rest of a checkpoint, into the engine `setup` built: fp32 masters and Adam moments, the
     schedule, the step (the weights went into the partitions before `deepspeed.initialize`)."""
     st = restore_from.state

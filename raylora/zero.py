@@ -85,8 +85,8 @@ def full_shape(param: torch.Tensor) -> tuple[int, ...]:
 
 
 class Source(Protocol):
-    """What a restore reads from: `checkpoint.Ranges` (a rank's slices, from storage) or
-    `checkpoint.Loaded` (whole tensors in memory)."""
+    """What a restore reads from: `checkpoint.Ranges` (a rank's slices, from storage), or a reader of whole
+    tensors in memory (the tests' `whole_checkpoint.Loaded`)."""
 
     def weight_range(self, name: str, start: int, stop: int) -> torch.Tensor: ...
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raylora.assets import make_digits, make_tiny_model
-from tests.support import use_ray_test_env
+from tests.ray_env import use_ray_test_env
 
 use_ray_test_env()
 
@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: item.path.name in OWN_RAY)  # stable: the order within each part stays
 
 
-_probe_group = None  # the session's tests.support.ProbeGroup, once `probes` started one
+_probe_group = None  # the session's tests.probes.ProbeGroup, once `probes` started one
 
 
 def _close_probe_group() -> None:
@@ -63,9 +63,9 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def s3():
-    """A real S3 endpoint on 127.0.0.1 (tests.support.S3Server) with its environment put into this
+    """A real S3 endpoint on 127.0.0.1 (tests.s3_server.S3Server) with its environment put into this
     process's, so that pyarrow's S3 client here and in every Ray started afterwards reaches it."""
-    from tests.support import S3Server
+    from tests.s3_server import S3Server
 
     server = S3Server()
     with pytest.MonkeyPatch.context() as mp:
@@ -93,12 +93,12 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def probes(tmp_path_factory):
     """`probes(fn)`: `fn()` on 2 Ray Train workers (gloo, as raylora trains), rank 0's return value, like
-    `tests.support.on_workers`, but every test's probe runs in one worker group kept for the session
-    (`tests.support.ProbeGroup`): a group's start is about 13 s here, and the probes need only the
+    `tests.probes.on_workers`, but every test's probe runs in one worker group kept for the session
+    (`tests.probes.ProbeGroup`): a group's start is about 13 s here, and the probes need only the
     workers. A probe that raises ends the group (its test fails, naming the error); the next starts
     another. Use it with the shared Ray up (`ray_cluster`); closed before the modules with a Ray of
     their own."""
-    from tests.support import ProbeGroup
+    from tests.probes import ProbeGroup
 
     storage = tmp_path_factory.mktemp("probe-group")
 

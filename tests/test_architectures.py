@@ -16,13 +16,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForImageTextToText
 
-from raylora import checkpoint
 from raylora.arch import REGISTRY, Architecture, detect, lora_targets
 from raylora.assets import TINY_ARCHS
 from raylora.data.batches import make_batch
 from raylora.data.labels import IGNORE_INDEX
 from raylora.data.processor import load_processor
-from tests.support import resume_probe, tiny_run_config
+from tests import whole_checkpoint
+from tests.probes import resume_probe
+from tests.support import tiny_run_config
 from tests.test_batches import ANSWERS, END_OF_TURN, SAMPLES, unspaced
 
 PARTS = ("language_model", "vision_tower", "aligner")
@@ -182,7 +183,7 @@ def test_zero3_two_steps_then_restore_equals_checkpoint_and_resumes_bitwise(arch
     # a mixture of experts trains its load-balancing loss beside the answers' (raylora.moe)
     assert all(("aux_loss" in m) == (arch in MOE) for m in metrics)
     assert all(m["aux_loss"] > 0 for m in metrics if arch in MOE)
-    loaded = checkpoint.load(folder)
+    loaded = whole_checkpoint.load(folder)
     assert loaded.state.step == 2
     entry = REGISTRY[arch]
     trained = {entry.part_of(n) for n in loaded.state.trainable}

@@ -13,14 +13,16 @@ import pytest
 import torch
 from PIL import Image
 
-from raylora import checkpoint, failures
+from raylora import failures
 from raylora.assets import TINY_ARCHS
 from raylora.data.batches import limit_length, make_batch, read
 from raylora.data.formats import open_rows
 from raylora.data.labels import IGNORE_INDEX, check_chat_template, encode, end_of_turn_ids
 from raylora.data.processor import load_processor
 from raylora.data.sampler import GlobalSampler
-from tests.support import labelled_runs, straight_and_killed, tiny_run_config
+from tests import whole_checkpoint
+from tests.run_logs import labelled_runs
+from tests.support import straight_and_killed, tiny_run_config
 
 # How each tiny model's chat template ends an assistant turn (raylora/tiny_text.py), written out here so
 # that the labels are checked against the templates, not against the code under test.
@@ -276,9 +278,9 @@ def mixed_runs(ray_cluster, tiny_models, tmp_path_factory):
     }
 
 
-def _load(result) -> checkpoint.Loaded:
+def _load(result) -> whole_checkpoint.Loaded:
     with result.checkpoint.as_directory() as folder:
-        return checkpoint.load(folder)
+        return whole_checkpoint.load(folder)
 
 
 @pytest.mark.distributed

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import RAY_TEST_ENV
+from tests.ray_env import RAY_TEST_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 RAY_SCRIPTS = [

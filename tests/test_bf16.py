@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import final_checkpoint as _final
+from tests.run_logs import final_checkpoint as _final
 from tests.support import straight_and_killed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -20,6 +20,7 @@ import torch
 from raylora import checkpoint, config, resume, storage
 from raylora.config import ConfigError
 from raylora.failures import PERMANENT, EndOnPermanentError, PermanentError
+from tests import whole_checkpoint
 
 LORA = "model.language_model.layers.0.self_attn.q_proj.lora_A.default.weight"
 
@@ -43,7 +44,7 @@ def _save(folder: Path, **state_fields) -> Path:
         "versions": {},
         **state_fields,
     }
-    checkpoint.save(folder, weights, moments, checkpoint.TrainState(**fields), _AdapterConfig())
+    whole_checkpoint.save(folder, weights, moments, checkpoint.TrainState(**fields), _AdapterConfig())
     return folder
 
 
@@ -68,7 +69,7 @@ def test_newer_format_is_refused_naming_both_versions(tmp_path, digits):
     current = checkpoint.FORMAT_VERSION
     both = f"format {newer} was written by a newer raylora; this raylora reads format {current}"
     with pytest.raises(checkpoint.NewerFormatError, match=both):
-        checkpoint.load(folder)
+        whole_checkpoint.load(folder)
     with pytest.raises(checkpoint.NewerFormatError, match=both):
         checkpoint.read_state(folder)
     # the driver refuses it before Ray starts, instead of taking it for damage and resuming from older
@@ -84,7 +85,7 @@ def test_newer_format_is_refused_naming_both_versions(tmp_path, digits):
 def test_format_1_reads_into_typed_fields(tmp_path):
     fingerprint = {"sha256": "ab" * 32, "weight_bytes": 123}
     folder = _save(tmp_path / "new", arch="llava", base_model=fingerprint, data_rows=1437)
-    state = checkpoint.load(folder).state
+    state = whole_checkpoint.load(folder).state
     assert (state.arch, state.base_model, state.data_rows, state.format) == (
         "llava",
         fingerprint,
@@ -235,7 +236,7 @@ def test_writer_in_pieces_and_ranged_reads_match_safetensors(tmp_path):
     state = {"step": 4, "epoch": 0, "sampler": {}, "scheduler": {}, "world_size": 2, "config": {}}
     trainable = {n: list(t.shape) for n, t in weights.items()}
     writer.finish(checkpoint.TrainState(**state, trainable=trainable, versions={}), _AdapterConfig())
-    loaded = checkpoint.load(tmp_path)  # safetensors' own reader, after the manifest check
+    loaded = whole_checkpoint.load(tmp_path)  # safetensors' own reader, after the manifest check
     assert all(torch.equal(loaded.weights[n], t) for n, t in weights.items())
     assert all(torch.equal(loaded.moments[n], t) for n, t in moments.items())
     with safe_open(tmp_path / checkpoint.ADAPTER_WEIGHTS, framework="pt") as f:

@@ -288,7 +288,7 @@ def test_the_controller_and_workers_get_the_trainers_poll_and_the_env_is_restore
     import statistics
 
     from raylora.ray_runtime import CPU_WORKER_ENV, POLL_ENV
-    from tests.support import on_workers
+    from tests.probes import on_workers
 
     monkeypatch.delenv(POLL_ENV, raising=False)
     assert probes(lambda: os.environ.get(POLL_ENV)) == "1"

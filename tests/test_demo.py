@@ -7,7 +7,7 @@ import json
 import pytest
 
 from raylora.demo import demo
-from tests.support import tensorboard_scalars, wandb_history
+from tests.run_logs import tensorboard_scalars, wandb_history
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

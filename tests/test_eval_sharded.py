@@ -27,7 +27,7 @@ def _state(s) -> tuple[dict, dict, dict]:
     """(model parameters, fp32 masters, Adam moments) of every trainable tensor; on rank 0 (the masters
     and moments are empty dicts elsewhere). Every rank must call this."""
     from raylora import zero
-    from tests.support import read_params
+    from tests.probes import read_params
 
     params = read_params(s.params)
     gathered = zero.gather_trainable_state(s.engine, s.params)
@@ -112,7 +112,7 @@ def _probe(cfgs: dict, full: set[str]) -> dict:
 
 
 def test_eval_on_a_gathered_copy_equals_eval_under_zero3(ray_cluster, probes, tiny_models, digits, tmp_path):
-    from tests.support import REMOTE_PARTS, make_remote_code_model
+    from tests.remote_model import REMOTE_PARTS, make_remote_code_model
 
     def cfg(name: str, model: str, *overrides: str):
         settings = (

@@ -1,9 +1,9 @@
 """`raylora export` and `raylora eval` on checkpoints written without Ray, on the local disk and in object
-storage (a real S3 endpoint on 127.0.0.1, tests.support.S3Server), and where they compute (`--device`).
+storage (a real S3 endpoint on 127.0.0.1, tests.s3_server.S3Server), and where they compute (`--device`).
 
 The checkpoints are built the way a worker builds its model (`build_model`, `set_trainable`), with
 every trainable tensor perturbed so that LoRA B and the vision tower / aligner are far from their
-initial values, then written with `checkpoint.save`, as `worker.save_checkpoint` writes them.
+initial values, then written with `whole_checkpoint.save`, as `worker.save_checkpoint` writes them.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from raylora.data.labels import end_of_turn_ids
 from raylora.data.processor import load_processor
 from raylora.evaluate import load_for_inference
 from raylora.model import build_model, set_trainable, shapes, trainable_parameters
+from tests import whole_checkpoint
 
 
 def make_checkpoint(folder: Path, model_dir: str, train_file, *overrides: str) -> Path:
@@ -70,7 +71,7 @@ def make_checkpoint(folder: Path, model_dir: str, train_file, *overrides: str) -
         config=cfg.to_dict(),
         versions=checkpoint.versions(),
     )
-    checkpoint.save(folder, weights, moments, state, model.peft_config["default"])
+    whole_checkpoint.save(folder, weights, moments, state, model.peft_config["default"])
     return folder
 
 

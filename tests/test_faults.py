@@ -21,8 +21,9 @@ from raylora.config import ConfigError
 from raylora.driver import run
 from raylora.failures import PermanentError
 from raylora.progress import read_metrics
-from tests.support import assert_weights_close, tiny_run_config
-from tests.support import final_checkpoint as _final
+from tests.probes import assert_weights_close
+from tests.run_logs import final_checkpoint as _final
+from tests.support import tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -76,7 +77,7 @@ def _kill_random_workers(
     import os
     import signal
 
-    from raylora.progress import ATTEMPTS_FILE
+    from raylora.resume import ATTEMPTS_FILE
 
     def attempts() -> int:
         try:

@@ -25,7 +25,7 @@ from raylora.config import ConfigError
 from raylora.data import formats, records
 from raylora.data.formats import BadRow, check_source, load_image, open_rows
 from raylora.data.sample import Sample
-from tests.support import final_checkpoint as _final
+from tests.run_logs import final_checkpoint as _final
 
 ROWS = 64  # enough for 4 steps of 8 samples without repeating an epoch
 
@@ -446,7 +446,8 @@ def test_llamafactory_data_on_a_remote_code_model_resumes_bitwise_and_exports(
     from raylora import cli
     from raylora.driver import run
     from raylora.progress import read_metrics
-    from tests.support import REMOTE_PARTS, make_remote_code_model, tiny_run_config
+    from tests.remote_model import REMOTE_PARTS, make_remote_code_model
+    from tests.support import tiny_run_config
 
     storage, expected = reference
     source = sources["llamafactory"]

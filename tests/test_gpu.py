@@ -20,9 +20,11 @@ import os
 import pytest
 import torch
 
-from raylora import checkpoint, determinism
+from raylora import determinism
 from raylora.driver import run
-from tests.support import on_workers, tiny_run_config
+from tests import whole_checkpoint
+from tests.probes import on_workers
+from tests.support import tiny_run_config
 from tests.test_determinism import restored_torch_settings
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -204,7 +206,7 @@ def test_gpu_kill_and_resume_equals_uninterrupted(
     )
     assert straight.error is None and killed.error is None
     with straight.checkpoint.as_directory() as a, killed.checkpoint.as_directory() as b:
-        one, other = checkpoint.load(a), checkpoint.load(b)
+        one, other = whole_checkpoint.load(a), whole_checkpoint.load(b)
     assert other.state.restarts == 1 and one.state.step == other.state.step == 4
     if not deterministic:
         assert _relative_l2(one.weights, other.weights) <= WEIGHTS_RTOL

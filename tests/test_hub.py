@@ -22,7 +22,8 @@ from raylora.config import ConfigError
 from raylora.driver import preflight, run
 from raylora.progress import read_metrics
 from raylora.resume import base_model_fingerprint, check_resume
-from tests.support import start_ray, tiny_run_config
+from tests.ray_env import start_ray
+from tests.support import tiny_run_config
 
 REPO = "tiny-org/tiny-llava"
 

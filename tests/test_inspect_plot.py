@@ -1,5 +1,5 @@
 """`raylora inspect` on real checkpoints (intact and altered) and `raylora plot` on a synthetic log, on a
-local folder and on a real S3 endpoint (tests.support.S3Server)."""
+local folder and on a real S3 endpoint (tests.s3_server.S3Server)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,8 @@ import pytest
 
 from raylora import checkpoint
 from raylora.progress import read_metrics
-from tests.support import RAY_TEST_ENV, free_port
+from tests import whole_checkpoint
+from tests.ray_env import RAY_TEST_ENV, free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -25,7 +26,7 @@ BIN = Path(sys.executable).parent
 
 
 def _env() -> dict:
-    # PATH already starts with BIN (tests.support.use_ray_test_env): the entrypoint's `python` is this one
+    # PATH already starts with BIN (tests.ray_env.use_ray_test_env): the entrypoint's `python` is this one
     return {**RAY_TEST_ENV, **{k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}}
 
 
@@ -124,7 +125,7 @@ def _checkpoints(run_dir: Path) -> list[Path]:
 def _newest_intact_step(run_dir: Path) -> int:
     for folder in reversed(_checkpoints(run_dir)):
         try:
-            return checkpoint.load(folder).state.step
+            return whole_checkpoint.load(folder).state.step
         except checkpoint.CheckpointError:  # a copy the stop cut short
             continue
     raise AssertionError(f"no intact checkpoint in {run_dir}")
@@ -151,7 +152,7 @@ def test_stopped_job_resumes_when_submitted_again(head, settings):
     # the same run name again, with a shorter schedule so the test ends soon: it must resume, not restart
     _submit(head, "raylora-stop-2", base + ["run.name=stopped", f"train.max_steps={saved + 3}"])
     assert _status(head, "raylora-stop-2") == "SUCCEEDED"
-    final = checkpoint.load(_checkpoints(storage / "stopped")[-1]).state
+    final = whole_checkpoint.load(_checkpoints(storage / "stopped")[-1]).state
     assert final.step == saved + 3 and final.restarts >= 1
     rows = read_metrics(str(storage), "stopped")
     second = [r for r in rows if r["restarts"] >= 1]

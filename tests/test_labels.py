@@ -16,7 +16,7 @@ from raylora.data.labels import encode, end_of_turn_ids
 from raylora.data.processor import load_processor
 from raylora.tiny_text import GEMMA3_TOKENS, GEMMA4_TOKENS, GEMMA4_TURN_TOKENS, IDEFICS3_TOKENS
 from tests import real_tokenizers as rt
-from tests.support import labelled_runs
+from tests.run_logs import labelled_runs
 
 # arch: (tokenizer, the model card's template, the stop token, whether raylora adds it)
 FAMILIES = {

@@ -20,8 +20,8 @@ from raylora.progress import (
     segment_name,
 )
 from raylora.reporting import EARLIER_ROWS
-from tests.support import CountingFileSystem
-from tests.support import metrics_row as row
+from tests.run_logs import metrics_row as row
+from tests.s3_server import CountingFileSystem
 
 
 def counting(monkeypatch) -> list[CountingFileSystem]:

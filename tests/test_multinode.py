@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from raylora import checkpoint
 from raylora.config import ConfigError
 from raylora.progress import read_metrics
-from tests.support import assert_weights_close, start_ray, tiny_run_config
+from tests import whole_checkpoint
+from tests.probes import assert_weights_close
+from tests.ray_env import start_ray
+from tests.support import tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -195,8 +197,8 @@ def test_shared_storage_trains_on_both_nodes_and_survives_losing_one(
     for row in rows:  # before the loss on 2 workers, after it on 1: the losses of the uninterrupted run
         assert abs(row["loss"] - straight_loss[row["step"]]) <= 1e-5 * straight_loss[row["step"]], row
     with reference.checkpoint.as_directory() as folder:
-        ref = checkpoint.load(folder)
+        ref = whole_checkpoint.load(folder)
     with result.checkpoint.as_directory() as folder:
-        got = checkpoint.load(folder)
+        got = whole_checkpoint.load(folder)
     assert got.state.step == STEPS and got.state.world_size == 1
     assert_weights_close(ref.weights, got.weights, 1e-5)

@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from raylora import checkpoint
 from raylora.progress import read_metrics
-from tests.support import start_ray, tiny_run_config
+from tests import whole_checkpoint
+from tests.ray_env import start_ray
+from tests.support import tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -86,7 +87,7 @@ def test_run_finishes_after_losing_a_node(cluster, tiny_models, digits, tmp_path
     result, lost = _run_losing_a_node(cfg, cluster, lambda row: row["step"] >= 4)
     assert lost, "no node was removed"
     with result.checkpoint.as_directory() as folder:
-        final = checkpoint.load(folder)
+        final = whole_checkpoint.load(folder)
     assert final.state.step == 24 and final.state.restarts >= 1
     rows = read_metrics(str(tmp_path), "nodes")
     resumed_at = next(r["step"] for r in rows if r["restarts"] >= 1) - 1

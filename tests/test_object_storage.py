@@ -1,5 +1,5 @@
 """A run whose every byte lives in object storage, against a real S3 endpoint on 127.0.0.1 (moto_server,
-tests.support.S3Server): the source data and its images on `s3://`, `prepare-data` reading and writing
+tests.s3_server.S3Server): the source data and its images on `s3://`, `prepare-data` reading and writing
 `s3://`, the input pipeline's forked workers reading images from `s3://`, the run's storage on `s3://`, a
 worker killed and the run resumed bitwise equal to its uninterrupted twin, and the commands a user runs on
 the result (`inspect`, `eval`, `export`, `plot`) given `s3://` checkpoint URIs.
@@ -22,7 +22,9 @@ import torch
 from raylora.cli import main
 from raylora.data.formats import open_rows
 from raylora.progress import read_metrics
-from tests.support import final_checkpoint, start_ray, straight_and_killed
+from tests.ray_env import start_ray
+from tests.run_logs import final_checkpoint
+from tests.support import straight_and_killed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

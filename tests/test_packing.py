@@ -32,6 +32,7 @@ from raylora.data.batches import (
 from raylora.data.labels import IGNORE_INDEX, encode
 from raylora.data.sampler import LENGTH_GROUP_STEPS, GlobalSampler
 from raylora.loss import answer_token_losses
+from tests import whole_checkpoint
 from tests.support import straight_and_killed, tiny_run_config
 from tests.test_batches import MULTI_TURN, SAMPLES, TEXT_ONLY, TWO_IMAGES, _write_chat_jsonl
 
@@ -531,7 +532,6 @@ def test_killed_grouped_run_under_a_token_budget_resumes_bitwise_equal(
     count every row's tokens, half each, and the restarted group reads the counts kept in the run's
     folder). After the kill the ranks' pass counts differ on some steps: the rank with fewer passes runs
     stand-ins, in the restarted group as well."""
-    from raylora import checkpoint
     from raylora.data.formats import open_rows
     from raylora.data.processor import load_processor
 
@@ -553,7 +553,7 @@ def test_killed_grouped_run_under_a_token_budget_resumes_bitwise_equal(
         kept = json.loads((folder / run / lengths.LENGTHS).read_text())
         assert kept["lengths"] == counts and kept["key"]["rows"] == ROWS, run
     with straight.checkpoint.as_directory() as a, killed.checkpoint.as_directory() as b:
-        one, two = checkpoint.load(a), checkpoint.load(b)
+        one, two = whole_checkpoint.load(a), whole_checkpoint.load(b)
     assert one.state.step == two.state.step == 6 and two.state.restarts == 1
     for key, value in one.weights.items():
         assert torch.equal(two.weights[key], value), key

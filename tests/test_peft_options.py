@@ -27,7 +27,9 @@ from raylora.data.processor import load_processor
 from raylora.driver import preflight
 from raylora.evaluate import load_for_inference
 from raylora.model import add_lora, base_name, set_trainable, trainable_parameters
-from tests.support import restore_probe, tiny_run_config, train_and_save
+from tests import whole_checkpoint
+from tests.probes import restore_probe, train_and_save
+from tests.support import tiny_run_config
 
 RUNS = {
     "dora": ("lora.use_dora=true", "lora.use_rslora=true", "lora.init=olora"),
@@ -101,7 +103,7 @@ def test_options_in_effect_and_saved_as_peft_saves_them(trained):
     original = {n: t.clone() for n, t in base.state_dict().items()}  # PiSSA / OLoRA rewrite it in place
     model = peft.PeftModel.from_pretrained(base, str(folder))
     loaded = {base_name(n): p.detach() for n, p in model.named_parameters()}
-    saved = checkpoint.load(folder).weights
+    saved = whole_checkpoint.load(folder).weights
     # plain PEFT loads every adapter tensor the checkpoint holds (no key left behind as unexpected)
     for name, tensor in saved.items():
         if checkpoint.is_adapter(name):

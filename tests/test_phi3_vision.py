@@ -41,8 +41,11 @@ from raylora.data.batches import make_batch
 from raylora.data.labels import IGNORE_INDEX, _render, end_of_turn_ids, numbered_image_text
 from raylora.data.processor import load_processor
 from raylora.data.turns import content
+from tests import whole_checkpoint
 from tests.phi3v_fixture import make_phi3v_model
-from tests.support import free_port, resume_probe, tiny_run_config
+from tests.probes import resume_probe
+from tests.ray_env import free_port
+from tests.support import tiny_run_config
 
 TRUST = "model.trust_remote_code=true"  # the registry's phi3_v entry names the parts
 LINEAR = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
@@ -232,10 +235,11 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WO
                   LOCAL_WORLD_SIZE="1")
 dist.init_process_group("gloo", rank=0, world_size=1)
 import torch
-from raylora import checkpoint, zero
+from raylora import zero
 from raylora.worker import setup, train_step
+from tests import whole_checkpoint
 cfg = pickle.loads(open(sys.argv[2], "rb").read())
-loaded = checkpoint.load(sys.argv[3])
+loaded = whole_checkpoint.load(sys.argv[3])
 s = setup(cfg, loaded)
 masters, _ = zero.gather_trainable_state(s.engine, s.params)
 restored = all(torch.equal(masters[n], loaded.weights[n]) for n in loaded.weights)
@@ -260,7 +264,6 @@ def trained(ray_cluster, probes, phi3v, digits, tmp_path_factory):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_workers_train_and_resume_bitwise(trained):
-    from raylora import checkpoint
 
     _, resumed, restored, folder = trained
     metrics = resumed["metrics"]
@@ -268,7 +271,7 @@ def test_two_workers_train_and_resume_bitwise(trained):
     assert resumed["resumed"]["loss"] == metrics[2]["loss"], "step 3 from the checkpoint differs"
     assert resumed["masters_equal"] and resumed["moments_equal"]
     assert restored["params_equal"] and restored["masters_equal"] and restored["moments_equal"]
-    loaded = checkpoint.load(folder)
+    loaded = whole_checkpoint.load(folder)
     entry = REGISTRY["phi3_v"]
     assert {entry.part_of(n) for n in loaded.state.trainable} == {"language_model", "vision_tower", "aligner"}
     assert {

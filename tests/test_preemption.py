@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from raylora import checkpoint
 from raylora.progress import read_metrics
-from tests.support import start_ray, tiny_run_config
+from tests import whole_checkpoint
+from tests.ray_env import start_ray
+from tests.support import tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -107,12 +108,12 @@ def test_preempted_node_costs_at_most_one_step(cluster, tiny_models, digits, tmp
     assert resumed[0]["steps_redone"] <= 1, resumed[0]
     assert resumed[0]["steps_redone"] == before[-1]["step"] - (resumed[0]["step"] - 1)
     with result.checkpoint.as_directory() as folder:
-        final = checkpoint.load(folder)
+        final = whole_checkpoint.load(folder)
     assert final.state.step == MAX_STEPS and final.state.restarts == 1
 
     straight = run(config("straight"))  # on the head and the node left
     with straight.checkpoint.as_directory() as folder:
-        expected = checkpoint.load(folder)
+        expected = whole_checkpoint.load(folder)
     assert expected.state.restarts == 0
     for name, tensor in [*expected.weights.items(), *expected.moments.items()]:
         assert torch.equal({**final.weights, **final.moments}[name], tensor), name

@@ -283,7 +283,8 @@ def test_a_step_with_every_sample_skipped_ends_the_run_once(ray_cluster, tiny_mo
     """Let through by the preflight (data.max_bad_fraction=1), a run on rows that are all bad fails at its
     first step, once, naming why, instead of training on nothing with loss 0.0 and exiting 0."""
     from raylora.driver import run
-    from raylora.progress import ATTEMPTS_FILE, read_metrics
+    from raylora.progress import read_metrics
+    from raylora.resume import ATTEMPTS_FILE
 
     data = _write_chat_jsonl(tmp_path, digits, 8, dict.fromkeys(range(8), "corrupt"))
     cfg = _cfg(

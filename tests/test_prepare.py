@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from raylora.cli import main
-from tests.support import RAY_TEST_ENV
+from tests.ray_env import RAY_TEST_ENV
 
 ROWS = 40
 UNDECODABLE, EMPTY_ANSWER, MISSING_FILE, TOO_FEW_IMAGES = 3, 7, 11, 15

@@ -11,7 +11,8 @@ from raylora import config
 from raylora.arch import for_model
 from raylora.config import ConfigError
 from raylora.driver import preflight
-from tests.support import REMOTE_PARTS, make_remote_code_model, tiny_run_config
+from tests.remote_model import REMOTE_PARTS, make_remote_code_model
+from tests.support import tiny_run_config
 
 
 @pytest.fixture(scope="module")

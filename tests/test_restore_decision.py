@@ -15,7 +15,7 @@ import pytest
 from raylora import driver
 from raylora.driver import run
 from raylora.failures import PermanentError
-from raylora.progress import ATTEMPTS_FILE
+from raylora.resume import ATTEMPTS_FILE
 from tests.support import tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

@@ -18,8 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 from raylora import checkpoint
-from tests.support import final_checkpoint as _final
-from tests.support import restore_probe, tiny_run_config
+from tests import whole_checkpoint
+from tests.probes import restore_probe
+from tests.run_logs import final_checkpoint as _final
+from tests.support import tiny_run_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -163,7 +165,7 @@ def test_plain_peft_loads_the_adapter(runs):
     from transformers import AutoModelForImageTextToText
 
     folder = Path(runs["straight"].checkpoint.path)
-    saved = checkpoint.load(folder).weights
+    saved = whole_checkpoint.load(folder).weights
     base = AutoModelForImageTextToText.from_pretrained(runs["model_dir"])
     model = PeftModel.from_pretrained(base, str(folder))
     loaded = {n.removeprefix("base_model.model."): p for n, p in model.named_parameters() if ".lora_" in n}
@@ -213,7 +215,7 @@ def test_async_upload_killed_right_after_a_checkpoint_resumes_exactly(runs, digi
 def test_restore_equals_checkpoint_before_any_step(runs, probes, tmp_path):
     arch_ckpt = runs["straight"].best_checkpoints[0][0]  # the step-2 checkpoint, mid-schedule
     with arch_ckpt.as_directory() as folder:
-        state = checkpoint.load(folder).state
+        state = whole_checkpoint.load(folder).state
         cfg = tiny_run_config(runs["model_dir"], state.config["data"]["train"], tmp_path, "probe", VISION_LR)
         probe = probes(lambda: restore_probe(cfg, folder))
     assert probe["step"] == state.step

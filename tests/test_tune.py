@@ -15,6 +15,7 @@ import pytest
 from raylora import checkpoint
 from raylora.config import ConfigError
 from raylora.progress import read_metrics
+from tests import whole_checkpoint
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -35,11 +36,11 @@ def _base(tiny_models, digits, storage, name, *extra):
     ]
 
 
-def _final(storage: Path, run_name: str) -> checkpoint.Loaded:
+def _final(storage: Path, run_name: str) -> whole_checkpoint.Loaded:
     folders = sorted(
         p for p in (storage / run_name).glob("checkpoint_*") if (p / checkpoint.MANIFEST).exists()
     )
-    return checkpoint.load(folders[-1])
+    return whole_checkpoint.load(folders[-1])
 
 
 def test_bad_space_is_a_config_error(tiny_models, digits, tmp_path):

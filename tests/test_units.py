@@ -15,7 +15,8 @@ from raylora.data.formats import open_rows
 from raylora.data.labels import IGNORE_INDEX, end_of_turn_ids, last_answer
 from raylora.data.processor import load_processor
 from raylora.data.sampler import GlobalSampler
-from tests.support import free_port
+from tests import whole_checkpoint
+from tests.ray_env import free_port
 
 
 def test_qwen2_vl_aligner_inside_vision_tower():
@@ -179,8 +180,8 @@ def test_checkpoint_save_load_roundtrip_and_manifest(tmp_path):
     weights = {lora: torch.randn(4, 8), vis: torch.randn(3, 5)}
     moments = {f"{n}.{k}": torch.randn_like(t) for n, t in weights.items() for k in ("exp_avg", "exp_avg_sq")}
     state = _tiny_state({n: list(t.shape) for n, t in weights.items()})
-    checkpoint.save(tmp_path, weights, moments, state, _AdapterConfig())
-    loaded = checkpoint.load(tmp_path)
+    whole_checkpoint.save(tmp_path, weights, moments, state, _AdapterConfig())
+    loaded = whole_checkpoint.load(tmp_path)
     assert loaded.state == state
     assert all(torch.equal(loaded.weights[n], t) for n, t in weights.items())
     assert all(torch.equal(loaded.moments[n], t) for n, t in moments.items())
@@ -198,15 +199,15 @@ def test_checkpoint_save_load_roundtrip_and_manifest(tmp_path):
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(checkpoint.CheckpointError, match="optimizer.safetensors does not match its sha256"):
-        checkpoint.load(tmp_path)
+        whole_checkpoint.load(tmp_path)
     path.write_bytes(bytes(data[:-10]))
     with pytest.raises(checkpoint.CheckpointError, match="optimizer.safetensors has .* bytes"):
-        checkpoint.load(tmp_path)
+        whole_checkpoint.load(tmp_path)
     path.unlink()
     with pytest.raises(
         checkpoint.CheckpointError, match="optimizer.safetensors listed in the manifest is missing"
     ):
-        checkpoint.load(tmp_path)
+        whole_checkpoint.load(tmp_path)
 
 
 def test_incompatible_checkpoint_names_first_difference():

@@ -38,7 +38,8 @@ from raylora.data.batches import (
 from raylora.data.formats import BadRow, load_video, open_rows
 from raylora.data.labels import IGNORE_INDEX, encode
 from raylora.data.processor import load_processor
-from tests.support import labelled_runs, tiny_run_config
+from tests.run_logs import labelled_runs
+from tests.support import tiny_run_config
 from tests.test_packing import TOLERANCE, _loss_and_grads, _model, _relative
 from tests.test_peer_formats import DATASET_INFO
 
@@ -558,7 +559,7 @@ def test_zero3_video_rows_pack_exactly_and_resume_bitwise(ray_cluster, probes, c
     equals the padded step within 1e-5; a packed run saved at step 2 and resumed gives step 3 bit for bit;
     evaluation scores the video rows alike on gathered copies and under ZeRO-3. The frames are decoded in
     the input pipeline's process (data.workers=1)."""
-    from tests.support import resume_probe, train_and_save
+    from tests.probes import resume_probe, train_and_save
 
     data = _mixed_rows(clips, tmp_path)
     # no dropout: its noise depends on the tensors' shapes, which packing changes

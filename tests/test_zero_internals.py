@@ -20,7 +20,9 @@ import pytest
 import torch
 
 from raylora import checkpoint, config, zero
-from tests.support import on_workers, read_params, tiny_run_config
+from tests import whole_checkpoint
+from tests.probes import on_workers, read_params
+from tests.support import tiny_run_config
 
 PERSIST = 100  # parameters under 100 elements (biases, norms of the 64-wide tiny model) stay whole
 
@@ -78,7 +80,7 @@ def _probe(cfg) -> dict:
     state = [after_one]
     torch.distributed.broadcast_object_list(state, src=0)
     weights, moments = state[0]
-    loaded = checkpoint.Loaded(
+    loaded = whole_checkpoint.Loaded(
         weights=weights,
         moments=moments,
         state=checkpoint.TrainState(

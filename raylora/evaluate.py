@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from peft import PeftModel, get_peft_model
 
-from raylora import checkpoint, hub
+from raylora import checkpoint, hub, quant
 from raylora.arch import auto_model_class, remote_code
 from raylora.config import ConfigError
 from raylora.data import video
@@ -80,10 +80,12 @@ def load_for_inference(
     model_path: str | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    quantized: bool = True,
 ):
     """(model, processor) from a local raylora checkpoint folder: `PeftModel.from_pretrained` plus the
     trained modules, on `device` (`auto`, `cpu`, `cuda`: `inference_device`) in `dtype` (default:
-    `inference_dtype` of the device)."""
+    `inference_dtype` of the device). The base is loaded in 4 bits where it was trained so (QLoRA), unless
+    `quantized` is false (`export --merge` folds the adapter into the base's original weights)."""
     folder = Path(folder)
     forced = str(device) != "auto"
     device = inference_device(device) if str(device) in DEVICES else torch.device(device)
@@ -92,8 +94,10 @@ def load_for_inference(
     trained_on = state.config["model"]
     model_path = model_path or hub.resolve(trained_on["path"], trained_on.get("revision"))
     trust = bool(trained_on.get("trust_remote_code"))
+    dtype = dtype or inference_dtype(device)
+    four_bit = quant.inference_kwargs(state.config, model_path, dtype, device) if quantized else {}
     base = auto_model_class(remote_code(model_path) if trust else {}).from_pretrained(
-        model_path, dtype=dtype or inference_dtype(device), trust_remote_code=trust
+        model_path, dtype=dtype, trust_remote_code=trust, **four_bit
     )
     model = PeftModel.from_pretrained(base, str(folder))
     trained = checkpoint.read_trained_modules(folder)
@@ -280,6 +284,7 @@ def gathered_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
     # the meta device draws no random numbers, but forking keeps training's generator out of it for sure
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         skeleton = auto_model_class(auto_map).from_config(config, trust_remote_code=bool(auto_map))
+        quant.quantize_like(skeleton, source)  # a 4-bit base gets 4-bit layers in the copy too
         plain = get_peft_model(skeleton, adapter, autocast_adapter_dtype=False)
     values: dict[int, torch.Tensor] = {}
     params = list(model.parameters())  # each tied parameter once
@@ -297,7 +302,7 @@ def gathered_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
     for name, param in model.named_parameters(remove_duplicate=False):
         owner, _, leaf = name.rpartition(".")
         if id(param) not in made:
-            made[id(param)] = torch.nn.Parameter(values[id(param)], requires_grad=False)
+            made[id(param)] = quant.copy_weight(param, values[id(param)], device)
         plain.get_submodule(owner)._parameters[leaf] = made[id(param)]
     for name, buffer in model.named_buffers(remove_duplicate=False):
         owner, _, leaf = name.rpartition(".")

@@ -91,7 +91,11 @@ def _write_merged(folder: Path, out: Path, model_path: str, device: str) -> None
     # deltas would be rounded twice. On a GPU that takes 4 bytes a parameter: 28 GB for 7B.
     trust = bool(checkpoint.read_state(folder).config["model"].get("trust_remote_code"))
     base_dtype = AutoConfig.from_pretrained(model_path, trust_remote_code=trust).dtype
-    model, processor = load_for_inference(folder, model_path, device=device, dtype=torch.float32)
+    # a QLoRA adapter is merged into the base's original weights, not their 4-bit rounding: the merged
+    # model is the base as published plus the update trained against its quantized copy
+    model, processor = load_for_inference(
+        folder, model_path, device=device, dtype=torch.float32, quantized=False
+    )
     merged = model.merge_and_unload()
     if isinstance(base_dtype, torch.dtype) and base_dtype.is_floating_point:
         merged = merged.to(base_dtype)

@@ -16,7 +16,7 @@ import torch
 from peft.tuners.lora import LoraLayer
 from transformers.integrations import HfDeepSpeedConfig
 
-from raylora import hub, moe
+from raylora import hub, moe, quant
 from raylora.arch import Architecture, auto_model_class, lora_targets, remote_code
 from raylora.checkpoint import is_adapter
 from raylora.config import Config, ConfigError
@@ -30,16 +30,18 @@ PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's
 
 def build_model(cfg: Config, arch: Architecture, ds_config: dict) -> tuple[peft.PeftModel, HfDeepSpeedConfig]:
     """The base model (ZeRO-3 partitioned) with a fresh LoRA adapter on its language model."""
+    model_dir = hub.resolve(cfg.model.path, cfg.model.revision)
+    four_bit = quantized(cfg, arch, model_dir)  # before ZeRO-3 is on: it builds a model on the meta device
     zero3 = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained: it is how transformers sees ZeRO-3
     moe.fix_expert_layouts()  # MoE folders in either expert layout load under ZeRO-3 (raylora.moe)
     dtype = torch.bfloat16 if cfg.bf16 else torch.float32
-    model_dir = hub.resolve(cfg.model.path, cfg.model.revision)
     model, loading = auto_model_class(remote_code(model_dir)).from_pretrained(
         model_dir,
         dtype=dtype,
         attn_implementation=attention(model_dir, cfg.model.attn_implementation),
         trust_remote_code=cfg.model.trust_remote_code,
         output_loading_info=True,
+        **four_bit,
     )
     # transformers initialises a weight the files lack at random and only warns: a base model trained so
     # would look fine and be wrong (a remote-code class whose names differ from its files', a partial copy)
@@ -51,10 +53,27 @@ def build_model(cfg: Config, arch: Architecture, ds_config: dict) -> tuple[peft.
             f"be initialised at random: {', '.join(missing[:5])}"
             + (f"; the files hold instead: {', '.join(unexpected[:5])}" if unexpected else "")
         )
+    if cfg.model.quantization:
+        quant.prepare(model)
     if cfg.train.packing and cfg.model.attn_implementation == "sdpa":
         packing.use_packed_attention(model)  # each packed sample's attention on its own
     prepare_for_training(model, cfg)
     return add_lora(model, cfg, arch), zero3
+
+
+def quantized(cfg: Config, arch: Architecture, model_dir: str | Path) -> dict:
+    """`from_pretrained`'s arguments for model.quantization (none without it): the language model in 4 bits
+    (`raylora.quant`), loaded on this worker's GPU where it has one, so that bitsandbytes quantizes there."""
+    if not cfg.model.quantization:
+        return {}
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.model.trust_remote_code)
+    skipped = quant.skipped_modules(base_on_meta(model_config), arch)
+    kwargs = {"quantization_config": quant.bnb_config(cfg, skipped)}
+    if torch.cuda.is_available():
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    return kwargs
 
 
 def attention(model_dir: str | Path, implementation: str) -> str | dict[str, str]:
@@ -186,10 +205,17 @@ def mark_trained(model: torch.nn.Module, arch: Architecture, cfg: Config) -> dic
 
 def meta_model(cfg: Config, arch: Architecture, model_config) -> peft.PeftModel:
     """The run's model with LoRA, on the meta device: structure and shapes only, no weights, no memory."""
+    model = base_on_meta(model_config)
+    quant.check(cfg, model, arch)
+    with torch.device("meta"):
+        return add_lora(model, cfg, arch)
+
+
+def base_on_meta(model_config) -> torch.nn.Module:
+    """The base model `model_config` describes, on the meta device."""
     with torch.device("meta"):
         auto_map = getattr(model_config, "auto_map", None) or {}
-        model = auto_model_class(auto_map).from_config(model_config, trust_remote_code=bool(auto_map))
-        return add_lora(model, cfg, arch)
+        return auto_model_class(auto_map).from_config(model_config, trust_remote_code=bool(auto_map))
 
 
 def trainable_shapes(cfg: Config, arch: Architecture, model_config) -> dict[str, list[int]]:

@@ -60,6 +60,10 @@ class ModelConfig:
     """Parameter-name prefix (or list of prefixes, e.g. [model.visual.merger,
     model.visual.deepstack_merger_list]) of the aligner (projector), for an architecture raylora has no
     entry for; where it sits inside the vision tower, the aligner's prefixes win."""
+    quantization: typing.Literal["nf4", "fp4"] | None = None
+    """QLoRA: the frozen language model's linear layers loaded in 4 bits by bitsandbytes (`nf4`, or
+    `fp4`), stored in the run's dtype so ZeRO-3 can partition them; the vision tower, aligner and lm_head
+    stay unquantized. Unset: no quantization. `int8` is refused (docs: QLoRA)."""
 
 
 @dataclass
@@ -229,12 +233,6 @@ class ScalingConfig:
     """One GPU per worker and NCCL (bf16 unless train.precision says otherwise); false: CPU and gloo."""
     cpus_per_worker: float = 1.0
     """CPUs Ray reserves for each worker."""
-    bind_cores: bool = True
-    """CPU workers (use_gpu false) that hold as many CPUs as their node has cores: each worker's training
-    thread runs on a share of the cores of its own (raylora.worker.core_share), so that it is not moved
-    between cores among Ray's threads; that thread alone, where DeepSpeed's --bind_cores_to_rank binds a
-    whole process. Left to the OS where the run's workers hold fewer CPUs than the node has cores, and on
-    GPU workers."""
 
 
 @dataclass
@@ -434,11 +432,25 @@ def _config_error(err: pydantic.ValidationError) -> ConfigError:
     return ConfigError(f"{key}: expected {expected}, got {type(value).__name__} {value!r}")
 
 
+REFUSED_QUANTIZATION = {
+    "int8": "bitsandbytes keeps 8-bit weights as int8 tensors (with their scales beside them), and "
+    "DeepSpeed casts the parameters it partitions to the run's dtype, which destroys them (4-bit weights "
+    "are stored in the run's dtype instead: bnb_4bit_quant_storage)",
+}
+"""model.quantization values refused, with the reason."""
+
+
 def from_dict(data: dict[str, Any]) -> Config:
     """Build a `Config` from nested plain data; unknown keys and wrong types raise `ConfigError`.
 
     Local paths come out absolute (`_absolute_paths`), so that nothing needs to change the config later.
     """
+    quantization = ((data or {}).get("model") or {}).get("quantization")
+    if isinstance(quantization, str) and quantization.lower() in REFUSED_QUANTIZATION:
+        raise ConfigError(
+            f"model.quantization={quantization} cannot be used under ZeRO-3: "
+            f"{REFUSED_QUANTIZATION[quantization.lower()]}; accepted: nf4, fp4"
+        )
     try:
         cfg = _CHECK.validate_python(_yaml_quirks(Config, data or {}, ""))
     except pydantic.ValidationError as err:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 
 import ray.train
@@ -36,7 +35,6 @@ from raylora.ds import deepspeed, tell_local_size
 from raylora.evaluate import evaluate_sharded
 from raylora.model import build_model, mark_trained, shapes
 from raylora.progress import bad_rows_before
-from raylora.ray_runtime import bind_cores, unbound
 from raylora.redact import redact
 from raylora.reporting import Reporter, log_preemption, log_progress
 from raylora.resume import base_model_fingerprint
@@ -163,10 +161,6 @@ def train_loop_per_worker(cfg: Config, asks_preemption: bool = True) -> list[dic
     s.inputs = step_inputs(
         functools.partial(step_batches, s), range(s.step, cfg.train.max_steps), cfg.data.workers
     )
-    context, every_core = ray.train.get_context(), os.sched_getaffinity(0)
-    cores = bind_cores(cfg, context.get_local_rank(), context.get_local_world_size())
-    if cores is not None:
-        log.info("rank %d trains on core(s) %s (scaling.bind_cores)", s.rank, ",".join(map(str, cores)))
     history, started, first_step = [], time.perf_counter(), s.step
     # bad rows of the run so far: the steps before a restore as the metrics log has them
     bad_so_far = bad_rows_before(cfg.run.storage_path, cfg.run.name, s.step) if s.resumed else 0
@@ -194,8 +188,7 @@ def train_loop_per_worker(cfg: Config, asks_preemption: bool = True) -> list[dic
         ckpt = save_checkpoint(s) if saving else None
         # `saving`, not `ckpt`: only rank 0 gets a checkpoint back, and every rank must report alike
         if saving or done or reporter.due(s.step):
-            with unbound(every_core if cores is not None else None):  # Ray's upload threads start here
-                report(s, reporter.take(s.step), ckpt)
+            report(s, reporter.take(s.step), ckpt)
         if s.rank == 0 and (done or s.step % max(1, cfg.train.max_steps // 20) == 0):
             log_progress(metrics, bad_so_far, (s.step - first_step) / (time.perf_counter() - started))
     return history

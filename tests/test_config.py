@@ -192,87 +192,13 @@ def test_a_runs_controller_polls_faster_than_it_reports(tmp_path, monkeypatch):
         assert poll <= every / 2 or poll == 0.1, (every, poll)
 
 
-def test_workers_start_with_raylora_env_unless_the_driver_or_run_config_says_otherwise(tmp_path, monkeypatch):
-    """A run's CPU workers get `CPU_WORKER_ENV` through Ray's worker runtime env, its GPU workers none; a
-    value in the driver's environment, or in the run config's own worker_runtime_env, is the one they get
-    instead."""
-    import ray.train
-
-    from raylora.driver import make_trainer
-    from raylora.ray_runtime import CPU_WORKER_ENV, Trainer
-
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "model").mkdir()
-    cfg = config.load(None, ["model.path=model", "data.train=t.parquet"])
-    for key in CPU_WORKER_ENV:
-        monkeypatch.delenv(key, raising=False)
-    glibc = {
-        "MALLOC_MMAP_THRESHOLD_": "33554432",
-        "MALLOC_TRIM_THRESHOLD_": "1099511627776",
-        "MALLOC_ARENA_MAX": "1",
-    }
-    assert make_trainer(cfg).run_config.worker_runtime_env["env_vars"] == glibc
-    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
-    env_vars = make_trainer(cfg).run_config.worker_runtime_env["env_vars"]
-    assert env_vars == {**glibc, "MALLOC_TRIM_THRESHOLD_": "0"}
-    mine = ray.train.RunConfig(worker_runtime_env={"env_vars": {"MALLOC_TRIM_THRESHOLD_": "2", "A": "b"}})
-    trainer = Trainer(lambda: None, run_config=mine)
-    env_vars = trainer.run_config.worker_runtime_env["env_vars"]
-    assert env_vars == {**glibc, "MALLOC_TRIM_THRESHOLD_": "2", "A": "b"}
-    assert mine.worker_runtime_env == {"env_vars": {"MALLOC_TRIM_THRESHOLD_": "2", "A": "b"}}  # not changed
-    gpu = Trainer(lambda: None, scaling_config=ray.train.ScalingConfig(num_workers=1, use_gpu=True))
-    assert gpu.run_config.worker_runtime_env["env_vars"] == {}
-
-
-def _worker_env_and_glibc_heap() -> tuple:
-    """In a Train worker: the poll it was handed, its glibc variables, what glibc does with them (the
-    bytes it has mmapped while a 24 MiB tensor lives, its arenas by malloc_info), the pages the training
-    thread faults in at each of ten rounds of two step-like patterns after three of each to warm up, and
-    one round's pages of the smaller. A round allocates and fills CPU tensors of 1-24 MiB, 160-184 MiB in
-    all, and frees them last first, as a backward pass frees a forward's activations."""
-    import ctypes
+def _worker_poll() -> str | None:
+    """In a Train worker: the controller poll it was handed."""
     import os
-    import resource
 
-    import torch
+    from raylora.ray_runtime import POLL_ENV
 
-    from raylora.ray_runtime import CPU_WORKER_ENV, POLL_ENV
-
-    class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2, ten size_t
-        names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-        _fields_ = [(name, ctypes.c_size_t) for name in names.split()]
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo2
-    libc.open_memstream.restype = ctypes.c_void_p
-    big = torch.ones(24 << 20, dtype=torch.uint8)
-    mmapped = libc.mallinfo2().hblkhd
-    del big
-    text, size = ctypes.c_char_p(), ctypes.c_size_t()
-    stream = ctypes.c_void_p(libc.open_memstream(ctypes.byref(text), ctypes.byref(size)))
-    libc.malloc_info(0, stream)
-    libc.fclose(stream)
-    arenas = ctypes.string_at(text, size.value).count(b"<heap nr=")
-    libc.free(text)
-
-    patterns = [[4 << 20] * 40, [(1 + (i * 5) % 24) << 20 for i in range(16)]]
-
-    def one_round(sizes: list[int]) -> None:
-        tensors = [torch.ones(size, dtype=torch.uint8) for size in sizes]
-        while tensors:
-            tensors.pop()
-
-    faults = []
-    for sizes in patterns:
-        for _ in range(3):
-            one_round(sizes)
-        for _ in range(10):
-            before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
-            one_round(sizes)
-            faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
-    env = {key: os.environ.get(key) for key in CPU_WORKER_ENV}
-    round_pages = min(map(sum, patterns)) // resource.getpagesize()
-    return os.environ.get(POLL_ENV), env, mmapped, arenas, faults, round_pages
+    return os.environ.get(POLL_ENV)
 
 
 @pytest.mark.slow
@@ -282,31 +208,16 @@ def test_the_controller_and_workers_get_the_trainers_poll_and_the_env_is_restore
 ):
     """Ray Train's controller reads its poll from the driver's environment as `fit` starts it, and hands
     it on to the workers: a run's `Trainer` sets it for its fit and removes it after; one that the
-    environment already holds (the probe group's 1 s here, or a user's) is left as it is. The worker
-    process starts with `CPU_WORKER_ENV`, which its glibc honours."""
+    environment already holds (the probe group's 1 s here, or a user's) is left as it is."""
     import os
-    import statistics
 
-    from raylora.ray_runtime import CPU_WORKER_ENV, POLL_ENV
+    from raylora.ray_runtime import POLL_ENV
     from tests.probes import on_workers
 
     monkeypatch.delenv(POLL_ENV, raising=False)
     assert probes(lambda: os.environ.get(POLL_ENV)) == "1"
     assert POLL_ENV not in os.environ
-    for key in CPU_WORKER_ENV:
-        monkeypatch.delenv(key, raising=False)
-    seen = on_workers(_worker_env_and_glibc_heap, tmp_path, "poll", num_workers=1, poll_s=0.25)
-    poll, env, mmapped, arenas, faults, round_pages = seen
-    assert (poll, env) == ("0.25", CPU_WORKER_ENV)
-    # glibc honours them (raylora.ray_runtime.CPU_WORKER_ENV): a tensor under 32 MiB comes from the heap, not
-    # from an mmap of its own, and the training thread allocates from the one arena. With glibc's
-    # defaults or torch's THP_MEM_ALLOC_ENABLE=1 (raylora's setting before): 51 MB mmapped and 16 arenas.
-    assert (mmapped, arenas) == (0, 1)
-    # The heap keeps a step's tensors: the median round faults no page in (6 runs). With
-    # THP_MEM_ALLOC_ENABLE=1, 1,028-1,819 (3 runs). Some rounds do: now and then one of Ray's threads
-    # takes a block of the heap's free memory and a round grows the heap (7,000-32,000 pages over the
-    # twenty rounds, against 43,000-68,000 with glibc's defaults and 70,000-80,000 with THP).
-    assert statistics.median_high(faults) < round_pages // 100, faults
+    assert on_workers(_worker_poll, tmp_path, "poll", num_workers=1, poll_s=0.25) == "0.25"
     assert POLL_ENV not in os.environ
 
 

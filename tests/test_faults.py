@@ -270,10 +270,14 @@ def test_a_ray_of_raylora_own_starts_no_helper_actors_it_does_not_use(straight):
 
 
 def test_workers_of_raylora_own_ray_ask_for_no_preemption(ray_cluster, probes):
-    """A worker leaves out `ray.train.get_preemption_info` (a barrier at every report) where raylora
-    started Ray itself: the mark it goes by comes in the same runtime env as the preemption watcher's
-    off switch, so it never skips the ask where a watcher could announce a drain. (On a cluster that
-    raylora joins, tests/test_preemption.py sees the ask answered.)"""
+    """The workers leave out `ray.train.get_preemption_info` (a barrier at every report) where raylora
+    started Ray itself: the driver tells them so (`make_trainer`, from `started_here`), and the mark that
+    a Tune trial's driver goes by comes in the same runtime env as the preemption watcher's off switch,
+    so the ask is never skipped where a watcher could announce a drain. (On a cluster that raylora joins,
+    tests/test_preemption.py sees the ask answered.)"""
+    from raylora.ray_runtime import started_here
+
+    assert started_here()  # the driver's answer, which make_trainer hands the workers
 
     def seen() -> tuple:
         import os

@@ -21,13 +21,12 @@ set's row count; format 1 still reads. A newer format than this raylora's is ref
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-import math
 import os
 import posixpath
 import shutil
-import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+
+from raylora.safetensors_io import DTYPES, PieceWriter, read_elements, read_header
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -90,7 +91,7 @@ class TrainState:
     arch: str = ""
     """The architecture's registry name (config.json's model_type); empty in checkpoints that lack it."""
     base_model: dict[str, Any] = field(default_factory=dict)
-    """The base model's fingerprint (`resume.base_model_fingerprint`): resuming on others is refused."""
+    """The base model's fingerprint (`hub.base_model_fingerprint`): resuming on others is refused."""
     data_rows: int | None = None
     """Rows of data.train, bad rows included: the driver compares it with the Parquet file's metadata
     on resume, without reading the data."""
@@ -216,39 +217,6 @@ def adapter_key(name: str) -> str:
     return key.removesuffix(".weight") if key.endswith(".lora_magnitude_vector.weight") else key
 
 
-class _SafetensorsWriter:
-    """One fp32 safetensors file written piece by piece: the header (every tensor's name, shape and byte
-    range) goes first, computed from the shapes, so tensor data can arrive in any order as rank 0 gathers
-    it, and no whole tensor need be in memory. The result is what `safetensors.torch.save_file` reads."""
-
-    def __init__(self, path: Path, shapes: dict[str, list[int]]):
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        self.offsets: dict[str, int] = {}
-        end = 0
-        for name in sorted(shapes):
-            size = 4 * math.prod(shapes[name])
-            header[name] = {"dtype": "F32", "shape": list(shapes[name]), "data_offsets": [end, end + size]}
-            self.offsets[name] = end
-            end += size
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)  # safetensors aligns the data to 8 bytes
-        self.base = 8 + len(text)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.pwrite(self.fd, struct.pack("<Q", len(text)) + text, 0)
-        os.ftruncate(self.fd, self.base + end)
-
-    def write(self, key: str, start: int, values: torch.Tensor) -> None:
-        """Elements `start...` of tensor `key`, flattened."""
-        data = memoryview(values.detach().to(torch.float32).contiguous().numpy()).cast("B")
-        pos = self.base + self.offsets[key] + 4 * start
-        while data:
-            written = os.pwrite(self.fd, data, pos)
-            data, pos = data[written:], pos + written
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
 class Writer:
     """Writes a checkpoint into `folder` (new or empty) as the trainable state arrives, piece by piece:
     rank 0 holds one gathered chunk at a time, not the whole trainable state. `finish` writes the small
@@ -259,13 +227,13 @@ class Writer:
         self.folder.mkdir(parents=True, exist_ok=True)
         adapter = {n: s for n, s in trainable.items() if is_adapter(n)}
         self.files = {
-            ADAPTER_WEIGHTS: _SafetensorsWriter(
+            ADAPTER_WEIGHTS: PieceWriter(
                 self.folder / ADAPTER_WEIGHTS, {adapter_key(n): s for n, s in adapter.items()}
             ),
-            TRAINED_MODULES: _SafetensorsWriter(
+            TRAINED_MODULES: PieceWriter(
                 self.folder / TRAINED_MODULES, {n: s for n, s in trainable.items() if not is_adapter(n)}
             ),
-            OPTIMIZER: _SafetensorsWriter(
+            OPTIMIZER: PieceWriter(
                 self.folder / OPTIMIZER, {f"{n}.{k}": s for n, s in trainable.items() for k in MOMENTS}
             ),
         }
@@ -299,9 +267,6 @@ class Writer:
         os.replace(tmp, folder / MANIFEST)
 
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-
-
 class Ranges:
     """A checkpoint opened for reading element ranges of its tensors, so that a rank reads only the
     slices of the partitions it owns: restore bytes and memory per rank shrink with the world.
@@ -310,8 +275,7 @@ class Ranges:
     `safe_open(...).get_slice` on a downloaded copy: safetensors needs a local file, and a download once
     per node would still move every byte to every node and need the node's ranks to agree on who fetches;
     a ranged read moves each byte to the one rank that needs it, on local disk and object storage alike.
-    The safetensors layout (a little-endian u64 header length, a JSON header of dtype, shape and byte
-    offsets, then the data) is the format's documented one; tests compare these reads with safetensors'.
+    The files' layout is safetensors' documented one (`raylora.safetensors_io`).
     """
 
     def __init__(self, folder: str | Path, filesystem: Any = None, hashes: bool = True):
@@ -332,7 +296,7 @@ class Ranges:
             keys += [(kind, OPTIMIZER, f"{name}.{kind}") for kind in MOMENTS]
             for kind, file, key in keys:
                 entry = self._headers[file][1].get(key)
-                if entry is None or list(entry["shape"]) != list(shape) or entry["dtype"] not in _DTYPES:
+                if entry is None or list(entry["shape"]) != list(shape) or entry["dtype"] not in DTYPES:
                     found = "nothing" if entry is None else f"{entry['dtype']} of shape {entry['shape']}"
                     raise CheckpointError(
                         f"{folder}: {file} entry {key}: state.json says shape {shape}, the file has {found}"
@@ -352,24 +316,17 @@ class Ranges:
         return data
 
     def _header(self, name: str) -> tuple[int, dict[str, Any]]:
-        (length,) = struct.unpack("<Q", self._read(name, 0, 8))
         try:
-            header = json.loads(self._read(name, 8, length))
+            return read_header(functools.partial(self._read, name))
         except ValueError as err:
             raise CheckpointError(
                 f"{self.folder}: {name} has no readable safetensors header ({err})"
             ) from err
-        return 8 + length, header
 
     def _range(self, name: str, kind: str, start: int, stop: int) -> torch.Tensor:
         file, key = self._where[(name, kind)]
         base, header = self._headers[file]
-        entry = header[key]
-        dtype = _DTYPES[entry["dtype"]]
-        size = torch.empty((), dtype=dtype).element_size()
-        stop = max(start, min(stop, math.prod(entry["shape"])))
-        data = self._read(file, base + entry["data_offsets"][0] + start * size, (stop - start) * size)
-        return torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        return read_elements(functools.partial(self._read, file), base, header[key], start, stop)
 
     def weight_range(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements [start, stop) of parameter `name`'s flattened fp32 master, read from storage."""

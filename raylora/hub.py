@@ -1,6 +1,7 @@
 """`model.path` to a local model folder: a folder is used as it is; a Hugging Face Hub id (`org/name`,
 with `model.revision`) is resolved through huggingface_hub's cache, so HF_HOME, HF_HUB_CACHE,
-HF_HUB_OFFLINE and HF_TOKEN mean what they mean to huggingface_hub.
+HF_HUB_OFFLINE and HF_TOKEN mean what they mean to huggingface_hub. A resolved folder's fingerprint
+(`base_model_fingerprint`) is what a checkpoint records of the base model it was trained on.
 
 Each process resolves a model once. The download itself runs under a file lock in the node's Hub cache,
 one per repo and revision: the first worker of a node downloads, the others wait and then find every
@@ -9,6 +10,7 @@ file in the cache instead of fetching the same weights eight times.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -87,3 +89,20 @@ def _download(repo_id: str, revision: str | None, allow_patterns: list[str] | No
         ) from err
     log.info("model.path %s (revision %s) resolved to %s", repo_id, revision or "main", folder)
     return os.fspath(folder)
+
+
+def base_model_fingerprint(model_path: str | Path, sample: int = 1 << 20) -> dict[str, str | int]:
+    """What identifies a base model folder cheaply: config.json, and the weight files' sizes and the
+    first and last MiB of each (hashing every byte of a 15 GB model on each start would be slow)."""
+    folder = Path(model_path)
+    digest = hashlib.sha256((folder / "config.json").read_bytes())
+    weight_bytes = 0
+    for path in sorted(folder.glob("*.safetensors")):
+        size = path.stat().st_size
+        weight_bytes += size
+        with open(path, "rb") as f:
+            digest.update(f"{path.name}:{size}".encode())
+            digest.update(f.read(sample))
+            f.seek(max(0, size - sample))
+            digest.update(f.read(sample))
+    return {"sha256": digest.hexdigest(), "weight_bytes": weight_bytes}

@@ -41,23 +41,6 @@ from raylora.storage import recorded_checkpoints, run_folder
 log = logging.getLogger("raylora")
 
 
-def base_model_fingerprint(model_path: str | Path, sample: int = 1 << 20) -> dict[str, str | int]:
-    """What identifies a base model folder cheaply: config.json, and the weight files' sizes and the
-    first and last MiB of each (hashing every byte of a 15 GB model on each start would be slow)."""
-    folder = Path(model_path)
-    digest = hashlib.sha256((folder / "config.json").read_bytes())
-    weight_bytes = 0
-    for path in sorted(folder.glob("*.safetensors")):
-        size = path.stat().st_size
-        weight_bytes += size
-        with open(path, "rb") as f:
-            digest.update(f"{path.name}:{size}".encode())
-            digest.update(f.read(sample))
-            f.seek(max(0, size - sample))
-            digest.update(f.read(sample))
-    return {"sha256": digest.hexdigest(), "weight_bytes": weight_bytes}
-
-
 ATTEMPTS_FILE = "raylora_attempts.json"
 
 
@@ -394,14 +377,15 @@ def check_resume(cfg: Config) -> checkpoint.TrainState | None:
             f"run {cfg.run.name} resumes from {folder}, made for architecture {arch}; "
             f"model.path is a {here} model"
         )
-    fingerprint = state.base_model
     # A Hub model's weights are fetched to the driver here, and only here: a resume must be refused on
     # this side of Ray when the base model changed, and the fingerprint is made from the files.
-    if fingerprint and fingerprint != base_model_fingerprint(hub.resolve(cfg.model.path, cfg.model.revision)):
-        raise ConfigError(
-            f"run {cfg.run.name} resumes from {folder}, made on another base model than {cfg.model.path} "
-            f"(config.json or weights differ); use another run.name to start over"
-        )
+    if state.base_model:
+        weights = hub.resolve(cfg.model.path, cfg.model.revision)
+        if state.base_model != hub.base_model_fingerprint(weights):
+            raise ConfigError(
+                f"run {cfg.run.name} resumes from {folder}, made on another base model than "
+                f"{cfg.model.path} (config.json or weights differ); use another run.name to start over"
+            )
     try:
         checkpoint.check_compatible(state, expected_trainable(cfg), folder)
     except checkpoint.CheckpointError as err:

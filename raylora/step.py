@@ -52,7 +52,7 @@ class Setup:
     # mixture-of-experts models whose forward computes a load-balancing loss: its weight (raylora.moe)
     aux_coef: float | None = None
     # the base model's folder (a Hub id resolved once, at the start) and, on rank 0, its fingerprint for
-    # the checkpoints (`resume.base_model_fingerprint`)
+    # the checkpoints (`hub.base_model_fingerprint`)
     model_dir: str = ""
     base_model: dict | None = None
 

@@ -37,7 +37,6 @@ from raylora.model import build_model, mark_trained, shapes
 from raylora.progress import bad_rows_before
 from raylora.redact import redact
 from raylora.reporting import Reporter, log_preemption, log_progress
-from raylora.resume import base_model_fingerprint
 from raylora.step import Setup, train_step
 
 log = logging.getLogger("raylora")
@@ -109,7 +108,7 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | None) -> Setup:
         eval_data=open_rows(d.eval, d.format, d.image_root) if cfg.train.eval_every else None,
         model_dir=model_dir,
         # rank 0 writes the checkpoints: the base model it trains on, identified once
-        base_model=base_model_fingerprint(model_dir) if rank == 0 else None,
+        base_model=hub.base_model_fingerprint(model_dir) if rank == 0 else None,
     )
     s.aux_coef = moe.aux_loss_coef(engine.module)
     if cfg.train.packing:

@@ -20,8 +20,9 @@ from huggingface_hub import constants
 from raylora import checkpoint, hub
 from raylora.config import ConfigError
 from raylora.driver import preflight, run
+from raylora.hub import base_model_fingerprint
 from raylora.progress import read_metrics
-from raylora.resume import base_model_fingerprint, check_resume
+from raylora.resume import check_resume
 from tests.ray_env import start_ray
 from tests.support import tiny_run_config
 

@@ -215,6 +215,92 @@ def test_export_loads_on_the_4bit_and_the_full_base_and_merges_into_the_original
     merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     q = "model.language_model.layers.0.self_attn.q_proj"
     scale = 8 / 4  # tiny_run_config's lora.alpha / lora.r
-    expected = original + scale * trained[f"{q}.lora_B.weight"] @ trained[f"{q}.lora_A.weight"]
+    expected = (
+        original + scale * trained[f"{q}.lora_B.default.weight"] @ trained[f"{q}.lora_A.default.weight"]
+    )
     torch.testing.assert_close(merged.model.language_model.layers[0].self_attn.q_proj.weight, expected)
     torch.testing.assert_close(logits(merged), logits(on_full), atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------ one step, two ways
+
+
+def _first_step(cfg, examples: list) -> dict:
+    """On each worker: raylora's QLoRA setup (`worker.setup`), this rank's share of `examples` forward and
+    backward as one global batch (the loss a mean over all ranks' answer tokens); rank 0 returns the loss
+    and every trainable parameter's whole gradient."""
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_grad
+
+    from raylora.data.batches import make_batch
+    from raylora.loss import answer_token_losses
+    from raylora.worker import setup
+
+    s = setup(cfg, None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    share = len(examples) // world
+    batch = make_batch(s.processor, examples[rank * share : (rank + 1) * share])
+    labels = batch.pop("labels")
+    per_token, _ = answer_token_losses(s.engine, batch, labels)
+    totals = torch.stack([per_token.sum().detach(), torch.tensor(float(per_token.numel()))])
+    dist.all_reduce(totals)
+    s.engine.backward(per_token.sum() * world / totals[1])
+    grads = {name: safe_get_full_grad(p) for name, p in s.params.items()}  # collectives: every rank
+    s.engine.destroy()
+    return {"loss": float(totals[0] / totals[1]), "grads": grads} if rank == 0 else {}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_one_step_equals_transformers_peft_and_bitsandbytes_in_one_process(
+    ray_cluster, probes, tiny_models, digits, tmp_path
+):
+    """The same 4-bit base, adapter initialisation and global batch of 4, fp32 compute on both sides, and
+    `peft.prepare_model_for_kbit_training` on neither: the loss and every LoRA gradient agree within 1e-5."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from raylora.data.batches import make_batch, read
+    from raylora.data.formats import open_rows
+    from raylora.data.processor import load_processor
+
+    model_dir = tiny_models("llava")
+    cfg = tiny_run_config(
+        model_dir,
+        digits[0],
+        tmp_path,
+        "one-step",
+        *QLORA,
+        "lora.init=false",  # B random too, so that A gets a gradient in the first step
+        "train.freeze_vision=true",
+        "train.freeze_aligner=true",
+        "train.precision=fp32",
+        "train.global_batch_size=4",
+    )
+    rows = open_rows(str(digits[0]))
+    examples = [read(rows, i) for i in range(4)]
+    got = probes(lambda: _first_step(cfg, examples))
+
+    base = AutoModelForImageTextToText.from_pretrained(
+        model_dir, quantization_config=_bnb(), dtype=torch.float32
+    )
+    base.config.use_cache = False
+    torch.manual_seed(cfg.train.seed)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LANGUAGE_MODEL_LINEARS, init_lora_weights=False
+    )
+    model = get_peft_model(base, lora, autocast_adapter_dtype=False).train()  # a training step, as raylora's
+    batch = make_batch(load_processor(model_dir), examples)
+    labels = batch.pop("labels")
+    logits = model(**batch).logits[:, :-1].float()
+    loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels[:, 1:], ignore_index=-100)
+    loss.backward()
+    expected = {
+        n.removeprefix("base_model.model."): p.grad for n, p in model.named_parameters() if p.requires_grad
+    }
+
+    assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    assert got["grads"].keys() == expected.keys()
+    for name, grad in expected.items():
+        assert grad.abs().max() > 0, name
+        assert (got["grads"][name] - grad).abs().max() <= 1e-5 * grad.abs().max(), name

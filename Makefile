@@ -49,8 +49,6 @@ bench: install
 	$(PY) bench/restore_collectives.py
 	$(PY) bench/restore_bytes.py
 	$(PY) bench/checkpoint_stall.py
-	$(PY) bench/checkpoint_stall.py --s3
-	$(PY) bench/metrics_log.py
 	$(PY) bench/eval_gather.py
 	$(PY) bench/save_collectives.py
 	$(PY) bench/throughput.py

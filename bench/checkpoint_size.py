@@ -15,8 +15,6 @@ from pathlib import Path
 
 import common
 
-from tests.support import tiny_run_config
-
 
 def probe(cfg, out_dir: str, steps: int, reps: int) -> dict:
     import torch
@@ -96,8 +94,8 @@ WAYS = ("raylora", "deepspeed_full", "hf_trainer_peft")
 SMALL_FILES = ("adapter_config.json", "state.json", "manifest.json")
 
 
-# (label, width, layers, LoRA rank): the tests' tiny model, and one whose tensors have the sizes of a real
-# LoRA run's (rank 16, 256 wide), where the safetensors headers (about 130 bytes per tensor per file) weigh
+# (label, width, layers, LoRA rank): bench/run.yaml's tiny model, and one whose tensors have the sizes of a
+# real LoRA run's (rank 16, 256 wide), where the safetensors headers (about 130 bytes a tensor a file) weigh
 # what they weigh at 7B. --tiny measures the first at width 32 only.
 SIZES = [("tiny", 64, 2, 4), ("rank 16, width 256", 256, 2, 16)]
 
@@ -105,7 +103,7 @@ SIZES = [("tiny", 64, 2, 4), ("rank 16, width 256", 256, 2, 16)]
 def measure(args, work: Path, label: str, width: int, layers: int, rank: int, steps: int, reps: int) -> dict:
     model = common.tiny_model(args.work, width, layers)
     lora = [f"lora.r={rank}", f"lora.alpha={2 * rank}"]
-    cfg = tiny_run_config(
+    cfg = common.run_config(
         model, common.digits(args.work), work / "ray", "checkpoint-size", common.NO_CHECKPOINTS, *lora
     )
     out = str(work / "out" / label.replace(" ", "-").replace(",", ""))

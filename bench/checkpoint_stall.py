@@ -7,22 +7,21 @@ async. The stall of a checkpoint step is the time from the end of its training s
 gather and the write (the same in both modes), and in sync mode the upload into the run's storage.
 The step after a checkpoint is timed too: an asynchronous upload shares the CPUs with it.
 
-`--s3`: the run's storage is `s3://` on a real S3 endpoint started on 127.0.0.1 (moto_server, as the
-tests use it), so the synchronous upload is an S3 multipart upload through pyarrow, as on a cluster
-(though over the loopback, with no network between: a real bucket adds checkpoint bytes / bandwidth).
+`--storage URI`: the run's storage is that folder or bucket (`s3://bucket/path`, `gs://...`), reached
+as raylora reaches `run.storage_path` (pyarrow, with the endpoint and credentials of this process's
+environment, which the local Ray's workers inherit), so the synchronous upload is an object-store upload
+as on a cluster; written to `checkpoint_stall_s3.json`. bench/README.md says how its figure was made
+against a local S3 endpoint.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 
 import common
-
-from tests.support import S3Server, tiny_run_config
 
 MODES = ("sync", "async")
 
@@ -62,7 +61,9 @@ def probe(cfg, mode: str, steps: int, every: int) -> list[dict]:
 
 def main() -> None:
     p = common.parser(__doc__)
-    p.add_argument("--s3", action="store_true", help="run storage on a local S3 endpoint (moto_server)")
+    p.add_argument(
+        "--storage", default=None, help="the run's storage: a folder or s3://... (default: under --work)"
+    )
     args = p.parse_args()
     work = Path(args.work) / "checkpoint_stall"
     shutil.rmtree(work, ignore_errors=True)
@@ -71,21 +72,15 @@ def main() -> None:
     data = common.digits(args.work)
     model = common.tiny_model(args.work, width, layers)
     rows = {}
-    server = S3Server() if args.s3 else None
-    if server is not None:
-        os.environ.update(server.env)  # before Ray starts: its workers inherit the endpoint
-    storage = server.uri("checkpoint_stall") if server else str(work / "ray")
-    try:
-        with common.local_ray():
-            for mode in MODES:
-                cfg = tiny_run_config(model, data, storage, mode, f"run.checkpoint_upload={mode}")
-                rows[mode] = common.on_workers(
-                    lambda cfg=cfg, mode=mode: probe(cfg, mode, steps, every), storage, mode
-                )
-        size = _last_checkpoint_bytes(storage + "/async")
-    finally:
-        if server is not None:
-            server.stop()
+    storage = (args.storage or str(work / "ray")).rstrip("/")
+    remote = "://" in storage
+    with common.local_ray():
+        for mode in MODES:
+            cfg = common.run_config(model, data, storage, mode, f"run.checkpoint_upload={mode}")
+            rows[mode] = common.on_workers(
+                lambda cfg=cfg, mode=mode: probe(cfg, mode, steps, every), storage, mode
+            )
+    size = _last_checkpoint_bytes(storage + "/async")
     figures = {}
     for mode, r in rows.items():
         # the first step warms up; a step right after a checkpoint shares the CPUs with its upload
@@ -107,7 +102,7 @@ def main() -> None:
     )
     common.write_result(
         args,
-        "checkpoint_stall_s3" if args.s3 else "checkpoint_stall",
+        "checkpoint_stall_s3" if remote else "checkpoint_stall",
         {
             "setup": {
                 "model": f"tiny llava, width {width}, {layers} layers; LoRA r=4 on every linear layer of the "
@@ -116,7 +111,7 @@ def main() -> None:
                 "steps": steps,
                 "checkpoint_every": every,
                 "checkpoint_bytes": size,
-                "storage": "s3:// on moto_server at 127.0.0.1" if args.s3 else "local disk (under --work)",
+                "storage": storage if remote else "local disk (under --work)",
             },
             "modes": figures,
             "raw": rows,
@@ -128,9 +123,8 @@ def main() -> None:
             "notes": [
                 "stall = end of the checkpoint step's training to the return of ray.train.report on rank 0; "
                 "gather_and_write = zero.stream_trainable_state + checkpoint.Writer (both modes).",
-                "On the local disk the synchronous upload is a file copy; with --s3 it is an S3 upload over "
-                "the loopback; to a real bucket it lasts checkpoint bytes / bandwidth more, which the "
-                "asynchronous mode takes off the step.",
+                "On the local disk the synchronous upload is a file copy; to a bucket it is an upload "
+                "that lasts checkpoint bytes / bandwidth more, which async takes off the step.",
                 "step_after_checkpoint: the step that runs while the asynchronous upload is in flight.",
             ],
         },

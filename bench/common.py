@@ -1,9 +1,9 @@
-"""What every benchmark shares: tiny assets, a local Ray, a collective counter, JSON results.
+"""What the benchmarks share: tiny assets, the run they measure, raylora's own Ray, a probe on Ray Train
+workers, a collective counter, JSON results.
 
-The tiny run, the probe that runs a function on Ray Train workers and the Ray settings are the tests'
-own (tests/support.py): this module puts the repository root on sys.path, so a benchmark imports them
-as `from tests.support import ...` after `import common`. Run the scripts from the repository root
-(`python bench/x.py`): Ray puts the driver's working directory on its workers' path.
+Every benchmark drives raylora as a user does: a config (`bench/run.yaml` plus dotted overrides, loaded by
+`raylora.config.load`), raylora's driver (`raylora.driver`) and its public modules. Run the scripts from
+the repository root (`python bench/x.py`): Ray puts the driver's working directory on its workers' path.
 
 Each figure a benchmark writes is a median of several samples, the raw samples sit beside it, and the
 JSON says which machine and which command made it.
@@ -26,16 +26,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.utils.distributed import get_free_port as free_port  # noqa: F401 (scripts)
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # `python bench/x.py` puts only bench/ on the path
-    sys.path.insert(0, str(ROOT))
-
-from tests.support import ProbeGroup, free_port, use_ray_test_env  # noqa: E402, F401 (free_port: for the scripts)
-
-use_ray_test_env()
-
 RESULTS = ROOT / "bench" / "results"
 WORK = ROOT / "runs" / "bench"  # scratch: models, data, checkpoints (git-ignored)
+RUN_CONFIG = ROOT / "bench" / "run.yaml"
+
+# Ray's default, stated: what ~/.ray holds must not decide whether the benchmarks' Ray asks for a token.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -131,8 +130,26 @@ def digits(work: str | Path) -> str:
     return str(folder / "train.parquet")
 
 
-# An override for `tests.support.tiny_run_config`: a benchmark's run writes no checkpoints unless a later
-# override asks for them.
+def run_config(
+    model_dir: str | Path, train_file: str | Path, storage: str | Path, name: str, *overrides: str
+):
+    """The run a benchmark measures: `bench/run.yaml` on `model_dir` and `train_file`, stored under
+    `storage` as run `name`, then `overrides` (dotted `key=value`, as `raylora train` takes them)."""
+    from raylora import config
+
+    return config.load(
+        RUN_CONFIG,
+        [
+            f"model.path={model_dir}",
+            f"data.train={train_file}",
+            f"run.storage_path={storage}",
+            f"run.name={name}",
+            *overrides,
+        ],
+    )
+
+
+# An override for `run_config`: a benchmark's run writes no checkpoints unless a later override asks.
 NO_CHECKPOINTS = "train.checkpoint_every=1000"
 
 
@@ -146,7 +163,7 @@ def local_ray():
     connected to (bench/smoke.py's, shared by every script) is used and left running."""
     import ray
 
-    from raylora.driver import init_ray
+    from raylora.ray_runtime import init_ray
 
     if ray.is_initialized():
         yield ray
@@ -158,36 +175,28 @@ def local_ray():
         ray.shutdown()
 
 
-# One worker group for many probes. bench/smoke.py runs every script in one process, and the scripts'
-# probes (`on_workers`) each started a worker group of their own: about 13 s apiece on 2 cores, nearly all
-# of it fresh processes importing torch, transformers, PEFT and DeepSpeed. Inside `probe_group()` they
-# all run, one after the other, in one group that stays up (`tests.support.ProbeGroup`). A smoke run
-# checks that each script works; the figures that depend on fresh processes (startup, peak memory) come
-# from the scripts' own runs, outside it.
-_probe_group: ProbeGroup | None = None
+def on_workers(
+    fn, storage: str | Path, name: str, num_workers: int = 2, use_gpu: bool = False, env: dict | None = None
+) -> Any:
+    """`fn()` on `num_workers` Ray Train workers of a worker group of its own, started as raylora starts
+    its runs' (`raylora.ray_runtime.Trainer`: gloo on CPU, NCCL with `use_gpu`), `env` in their
+    environment; rank 0's return value. Put every measurement of a figure in one `fn`: each call starts
+    fresh processes (about 13 s here)."""
+    import ray.train
 
+    from raylora import storage as storages
+    from raylora.ray_runtime import Trainer
 
-def on_workers(fn, storage: str | Path, name: str, num_workers: int = 2, use_gpu: bool = False) -> Any:
-    """`tests.support.on_workers`: `fn()` on Ray Train workers, rank 0's return value. Inside
-    `probe_group()`, and for its worker count on CPU, on that group rather than a new one."""
-    from tests.support import on_workers as in_new_group
-
-    group = _probe_group
-    if group is not None and not use_gpu and num_workers == group.num_workers:
-        return group.call(fn)
-    return in_new_group(fn, storage, name, num_workers, use_gpu)
-
-
-@contextmanager
-def probe_group(storage: str | Path, num_workers: int = 2):
-    """Within it, `on_workers` calls for `num_workers` CPU workers run on one worker group."""
-    global _probe_group
-    _probe_group = ProbeGroup(storage, num_workers)
-    try:
-        yield _probe_group
-    finally:
-        group, _probe_group = _probe_group, None
-        group.close()
+    trainer = Trainer(
+        fn,
+        scaling_config=ray.train.ScalingConfig(num_workers=num_workers, use_gpu=use_gpu),
+        run_config=ray.train.RunConfig(
+            name=name,
+            storage_path=storages.absolute(str(storage)),
+            worker_runtime_env={"env_vars": env or {}},
+        ),
+    )
+    return trainer.fit().return_value
 
 
 def barrier_time(fn) -> tuple[float, Any]:
@@ -374,194 +383,6 @@ def collective_figures(samples: list[tuple[float, dict[str, Any]]]) -> dict[str,
     }
 
 
-def processes(cpu: bool = False) -> list[tuple]:
-    """(pid, command line, CPU times or None) of every process on the machine that can still be read."""
-    import psutil
-
-    out = []
-    for proc in psutil.process_iter():
-        try:
-            out.append((proc.pid, " ".join(proc.cmdline()), proc.cpu_times() if cpu else None))
-        except (psutil.Error, OSError):  # ended meanwhile, or not ours to read
-            continue
-    return out
-
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc's unit of CPU time
-
-
-class CpuSampler:
-    """CPU time of every process on the machine, sampled every `every_s` seconds in a thread, grouped by
-    what the process is: `cores(t0, t1)` gives each group's cores in use between two moments.
-
-    Groups (GROUPS): `workers` (Ray Train workers, the plain loop's processes, and the input-pipeline
-    processes forked from either), `ray_train_controller`, then each of Ray's own processes by kind
-    (`raylet`, `gcs_server`, `dashboard` with its module subprocesses, `dashboard_agent`,
-    `runtime_env_agent`, `log_monitor`, `autoscaler_monitor`, `idle_workers` (prestarted, not leased),
-    `other_ray` (helper actors such as Ray Train's placement-group cleaner)), `benchmark_driver` (this
-    process) and `rest`.
-
-    `worker_threads(t0, t1)` splits the workers' cores by thread (THREAD_KINDS): `training` (the plain
-    process's main thread, the Ray Train worker's training thread: what the other kinds leave),
-    `ray_main` (a Ray worker's main thread: Ray's task loop, which runs the controller's polls and, every
-    10 ms, takes the GIL to check for signals), `gloo` (gloo's transport threads) and `other_threads`
-    (Ray's core-worker threads, gRPC's, idle Python helpers). The kernel counts CPU per thread, so this is
-    where a Ray worker's CPU goes that a plain process does not spend.
-    """
-
-    GROUPS = (
-        "workers",
-        "ray_train_controller",
-        "raylet",
-        "gcs_server",
-        "dashboard",
-        "dashboard_agent",
-        "runtime_env_agent",
-        "log_monitor",
-        "autoscaler_monitor",
-        "idle_workers",
-        "other_ray",
-        "benchmark_driver",
-        "rest",
-    )
-    # (group, what its command line holds), first match wins; after the workers and the controller
-    _RAY_KINDS = (
-        ("raylet", "/raylet/raylet"),
-        ("gcs_server", "/gcs/gcs_server"),
-        ("dashboard_agent", "ray::DashboardAgent"),
-        ("runtime_env_agent", "ray::RuntimeEnvAgent"),
-        ("dashboard", "dashboard/dashboard.py"),
-        ("dashboard", "ray-dashboard-"),
-        ("dashboard", "ray.dashboard.subprocesses"),
-        ("log_monitor", "log_monitor.py"),
-        ("autoscaler_monitor", "autoscaler/_private/monitor.py"),
-        ("idle_workers", "ray::IDLE"),
-    )
-
-    THREAD_KINDS = ("training", "ray_main", "gloo", "other_threads")
-
-    def __init__(self, every_s: float = 0.5):
-        self.every_s, self.snapshots = every_s, []
-        self.thread_snapshots: list[tuple[float, dict]] = []  # with `snapshots`: workers' and idle workers'
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def _group(pid: int, cmdline: str) -> str:
-        if pid == os.getpid():
-            return "benchmark_driver"
-        if "RayTrainWorker" in cmdline or "multiprocessing.spawn" in cmdline:
-            return "workers"
-        if "TrainController" in cmdline:
-            return "ray_train_controller"
-        for group, marker in CpuSampler._RAY_KINDS:
-            if marker in cmdline:
-                return group
-        if "ray::" in cmdline or "/ray/" in cmdline:
-            return "other_ray"
-        return "rest"
-
-    @staticmethod
-    def _threads(pid: int) -> dict[int, tuple[str, float]]:
-        """{thread id: (name, CPU seconds)} of one process; {} once it has ended. One read of each
-        thread's /proc stat, which holds both (psutil's `threads()` reads it for the times only)."""
-        out = {}
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            return {}
-        for tid in tids:
-            try:
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-            except OSError:  # the thread ended meanwhile
-                continue
-            name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-            # utime and stime, fields 14 and 15 of proc(5), counted from field 3 after the name
-            out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
-        return out
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            snapshot = {
-                pid: (self._group(pid, cmdline), cpu.user + cpu.system, "RayTrainWorker" in cmdline)
-                for pid, cmdline, cpu in processes(cpu=True)
-            }
-            now = time.time()
-            # idle workers too: Ray starts a run's workers in processes it had started idle
-            threads = {
-                pid: self._threads(pid) for pid, v in snapshot.items() if v[0] in ("workers", "idle_workers")
-            }
-            self.snapshots.append((now, snapshot))
-            self.thread_snapshots.append((now, threads))
-            self._stop.wait(self.every_s)
-
-    def _window(self, snapshots: list, t0: float, t1: float) -> tuple:
-        """The first and the last snapshot inside [t0, t1] (see `cores`)."""
-        inside = [s for s in snapshots if t0 <= s[0] <= t1]
-        if len(inside) < 2:
-            before = [s for s in snapshots if s[0] < t0] or snapshots[:1]
-            after = [s for s in snapshots if s[0] > t1] or snapshots[-1:]
-            inside = [before[-1], after[0]]
-        (a_t, a), (b_t, b) = inside[0], inside[-1]
-        assert b_t > a_t, "the sampler saw the window only once"
-        return a_t, a, b_t, b
-
-    def cores(self, t0: float, t1: float) -> dict[str, float]:
-        """Stop sampling; each group's CPU seconds per second between the first and the last snapshot
-        inside [t0, t1] (processes that lived through both). A window too short for two snapshots (the
-        smoke test's) takes the snapshots around it instead, where a process may start or end between."""
-        self._stop.set()
-        self._thread.join()
-        a_t, a, b_t, b = self._window(self.snapshots, t0, t1)
-        out = dict.fromkeys(self.GROUPS, 0.0)
-        for pid, (group, cpu, _) in b.items():
-            if pid in a:
-                out[group] += (cpu - a[pid][1]) / (b_t - a_t)
-        return out
-
-    def worker_threads(self, t0: float, t1: float) -> dict[str, float]:
-        """Cores of the workers' threads by kind (THREAD_KINDS) between two moments, summed over the
-        processes that `cores` counts as workers; call after `cores`, which stops the sampling.
-
-        `ray_main`, `gloo` and `other_threads` are threads that live as long as their process. `training`
-        is the rest of the process's CPU: its training thread, which in a short window can start after
-        the first snapshot and end before the last (Ray Train's, around a `--tiny` run), and any thread
-        that came and went between two snapshots."""
-        a_t, a, b_t, b = self._window(self.snapshots, t0, t1)
-        # Each thread's CPU at the last snapshot of the window that saw it, from 0 if it started inside.
-        last: dict[int, dict[int, tuple[str, float]]] = {}
-        for t, snap in self.thread_snapshots:
-            if a_t <= t <= b_t:
-                for pid, threads in snap.items():
-                    last.setdefault(pid, {}).update(threads)
-        first = dict(next(snap for t, snap in self.thread_snapshots if t == a_t))
-        out = dict.fromkeys(self.THREAD_KINDS, 0.0)
-        for pid, (group, cpu, ray_worker) in b.items():
-            if group != "workers" or pid not in a:
-                continue
-            total = (cpu - a[pid][1]) / (b_t - a_t)
-            used = {
-                tid: (name, (c - first.get(pid, {}).get(tid, (name, 0.0))[1]) / (b_t - a_t))
-                for tid, (name, c) in last.get(pid, {}).items()
-            }
-            kinds: dict[int, str] = {}
-            for tid, (name, _) in used.items():
-                # gloo's threads are named by gloo (gloo_tcp_loop) and torch's wrapper (pt_gloo_runloop)
-                if name.startswith(("gloo", "pt_gloo")):
-                    kinds[tid] = "gloo"
-                elif tid == pid and ray_worker:
-                    kinds[tid] = "ray_main"
-            rest = {tid: c for tid, (_, c) in used.items() if tid not in kinds}
-            if rest:  # the busiest of the rest is the training thread, counted below with the remainder
-                del rest[max(rest, key=rest.get)]
-            kinds.update(dict.fromkeys(rest, "other_threads"))
-            for tid, kind in kinds.items():
-                out[kind] += used[tid][1]
-            out["training"] += total - sum(used[tid][1] for tid in kinds)
-        return out
-
-
 def step_clock(path: str | Path):
     """A Ray Train callback (it runs in the controller) that appends `{t, reported, step, restarts}` to
     `path` for every step row of rank 0's reports: `t` when the step ended on rank 0 (its `wall_time`; a
@@ -612,22 +433,16 @@ PLAIN_THREADS = 1  # Ray sets OMP_NUM_THREADS=1 for a worker that holds 1 CPU; t
 
 
 def raylora_worker_env():
-    """Within it, this process's environment holds what raylora's Train workers start with
-    (`raylora.driver.worker_env`), and so do processes spawned in it: the plain processes that stand in
-    for raylora's workers. glibc reads its MALLOC_ variables as a process starts, so they
-    cannot be set from inside a spawned rank."""
-    from unittest import mock
+    """The environment variables raylora adds to its Train workers' (none, on CPU and on GPU), for the
+    plain processes that stand in for them to start as they do."""
+    import contextlib
 
-    from raylora.driver import worker_env
-
-    return mock.patch.dict(os.environ, worker_env())
+    return contextlib.nullcontext()
 
 
 def rendezvous() -> str:
     """Where the ranks of a `plain_process_group` meet: a fresh file for torch's FileStore rather than a
-    TCP port. A port found free here can be taken before rank 0 listens on it (Ray's processes open ports
-    all the time beside the benches): a CI run failed so with EADDRINUSE (2026-12-06). gloo's own
-    connections then take ports the system gives out at bind time."""
+    TCP port, which Ray's processes beside the benchmark can take between a check and rank 0's listen."""
     return f"file://{tempfile.mkdtemp(prefix='raylora-bench-pg-')}/store"
 
 
@@ -643,86 +458,3 @@ def plain_process_group(rank: int, world: int, rendezvous: str) -> None:
     )
     torch.set_num_threads(PLAIN_THREADS)
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
-
-
-class Turns:
-    """Two process groups, both up, taking turns on the machine block by block, so that a comparison of
-    the two is not swamped by the machine's drift (on this shared machine a whole run's speed moves by
-    up to 2x from one minute to the next). The file at `path` names whose block is next ("side:block");
-    each side's rank 0 polls it every `POLL_S` while the other side trains, and its other ranks wait in a
-    barrier (gloo's wait sleeps). The poll is all that the waiting side does, and each of its wakeups can
-    preempt a rank of the side whose turn it is (sooner if that side runs at a higher nice, as Ray's
-    workers do at 15 against a plain process's 0), so it polls seldom: at 20 ms, 50 wakeups a second, and
-    a turn passes up to 20 ms late, outside the timed blocks. Sides go in the order of `sides`, the first
-    one first in each block. Every rank of a side calls each method at the same points;
-    `torch.distributed` is set up.
-    """
-
-    POLL_S = 0.02
-
-    def __init__(self, path: str | Path, sides: tuple[str, str], side: str) -> None:
-        self.path, self.sides, self.side = str(path), sides, side
-        self.other = sides[1 - sides.index(side)]
-        self.first = sides.index(side) == 0
-
-    @staticmethod
-    def start(path: str | Path, sides: tuple[str, str]) -> None:
-        """Before either side starts: leftovers of an earlier comparison removed, the first block given."""
-        path = Path(path)
-        for leftover in path.parent.glob(path.name + "*"):
-            leftover.unlink()
-        path.write_text(f"{sides[0]}:0")
-
-    def _rank0(self) -> bool:
-        import torch.distributed as dist
-
-        return dist.get_rank() == 0
-
-    def _wait(self, ok, what: str, timeout_s: float = 900) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ok():
-            if Path(self.path).read_text() == "failed":
-                raise RuntimeError(f"{self.other}, the other side of the comparison, failed")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.side}: no {what} after {timeout_s:.0f} s")
-            time.sleep(self.POLL_S)
-
-    def ready(self) -> None:
-        """This side has set up and warmed up: wait until the other has too."""
-        if self._rank0():
-            Path(f"{self.path}.{self.side}").touch()
-            self._wait(lambda: all(Path(f"{self.path}.{s}").exists() for s in self.sides), "ready side")
-
-    def wait(self, block: int) -> None:
-        """Until it is this side's turn for `block`."""
-        import torch.distributed as dist
-
-        if self._rank0():
-            mine = f"{self.side}:{block}"
-            self._wait(lambda: Path(self.path).read_text() == mine, f"turn {mine}")
-        dist.barrier()
-
-    def done(self, block: int, record=None) -> None:
-        """This side's `block` has ended on every rank (then `record()`, to time it before the other side
-        starts): the turn goes to the other side."""
-        import torch.distributed as dist
-
-        dist.barrier()
-        if record is not None:
-            record()
-        if self._rank0():
-            tmp = f"{self.path}.next"
-            Path(tmp).write_text(f"{self.other}:{block if self.first else block + 1}")
-            os.replace(tmp, self.path)
-
-    def finish(self, blocks: int) -> None:
-        """After this side's last block of `blocks`: the first side waits until the other side's last
-        block has ended too, so that what it does on its way out (freeing its memory, a Ray run shutting
-        down) does not run beside that block. Without it the second side's last block ran 1.0-1.5 s
-        (30-65%) slower than its others (bench/padding.py --turns, 2026-12-06)."""
-        if self.first:
-            self.wait(blocks)
-
-    def fail(self) -> None:
-        """Tell the other side that this one failed, so that it stops waiting."""
-        Path(self.path).write_text("failed")

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import common
 
-from tests.support import tiny_run_config
-
 SIZES = (1_000, 10_000, 100_000)
 TINY_SIZES = (64, 640)
 LAYOUTS = ("raylora", "prepared")
@@ -130,7 +128,7 @@ def main() -> None:
             if "prepared" in layouts:
                 sources["prepared", rows], prepare_s[rows] = prepared(work, sources["raylora", rows], rows)
         if not args.tiny:  # the first worker group of a run pays for cold caches: keep it out of the figures
-            warm = tiny_run_config(
+            warm = common.run_config(
                 model, sources["raylora", sizes[0]], work / "ray", "warm-up", "train.max_steps=1"
             )
             common.on_workers(lambda: first_step_on_rank(warm), work / "ray", "warm-up")
@@ -138,7 +136,7 @@ def main() -> None:
             for layout in layouts:
                 for rows in sizes:
                     name = f"{layout}-{rows}-{rep}"
-                    cfg = tiny_run_config(
+                    cfg = common.run_config(
                         model,
                         sources[layout, rows],
                         work / "ray",

@@ -22,8 +22,6 @@ from pathlib import Path
 
 import common
 
-from tests.support import tiny_run_config
-
 THREADS = common.PLAIN_THREADS  # each plain process, as a Ray worker holding 1 CPU
 WAYS = ("zero3", "copy")
 
@@ -200,7 +198,7 @@ def main() -> None:
     work.mkdir(parents=True)
     model = common.tiny_model(args.work, width, layers)
     train = common.digits(args.work)
-    cfg = tiny_run_config(
+    cfg = common.run_config(
         model,
         train,
         work,
@@ -228,7 +226,7 @@ def main() -> None:
                 "micro_batch_size": cfg.train.micro_batch_size,
                 "threads_per_worker": THREADS,
                 "repeats": reps,
-                "run": "tests.support.tiny_run_config (ZeRO-3, persistence threshold 0), 1 step first",
+                "run": "bench/run.yaml (ZeRO-3, persistence threshold 0), 1 step first",
                 "zero_settings": SETTINGS,
             },
             "settings": settings,

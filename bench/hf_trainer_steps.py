@@ -19,7 +19,7 @@ What the HF side is, and why:
   Trainer by `accelerator_config={"use_configured_state": True}`. `raylora.ds` is imported only to skip
   DeepSpeed's shared-memory op build (a minute of ninja at start-up, for inference's all-reduce only).
 - ZeRO-3 config: HF's "auto" values, plus `stage3_param_persistence_threshold` 0 and `overlap_comm` off,
-  as raylora's tiny runs (`tests.support.tiny_run_config`, `raylora.zero.deepspeed_config` on CPU), so
+  as raylora's tiny runs (`bench/run.yaml`, `raylora.zero.deepspeed_config` on CPU), so
   the two sides differ in how they batch and step, not in a ZeRO knob.
 - Batching as the HF docs write a VLM collate_fn: each sample rendered with
   `processor.apply_chat_template(messages, tokenize=False)`, the micro batch through
@@ -100,18 +100,7 @@ def trainer_rows(counted: list[tuple[int, int]]) -> list[int]:
 
 
 def _worker(rank: int, port: int, job: dict) -> None:
-    """One rank: the Trainer run, its step clock and peak memory written to job["out"]-RANK.json. Taking
-    turns with raylora (job["turns"]), a failure anywhere tells the other side, which would otherwise wait
-    for its turn until its timeout."""
-    try:
-        _train(rank, port, job)
-    except BaseException:
-        if job.get("turns"):
-            Path(job["turns"]["path"]).write_text("failed")
-        raise
-
-
-def _train(rank: int, port: int, job: dict) -> None:
+    """One rank: the Trainer run, its step clock and peak memory written to job["out"]-RANK.json."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(WORLD), DS_ACCELERATOR="cpu")
     import accelerate
@@ -195,56 +184,14 @@ def _train(rank: int, port: int, job: dict) -> None:
         def on_train_end(self, args, state, control, **kwargs):
             self.peak = common.peak_rss_bytes()
 
-    class TakeTurns(transformers.TrainerCallback):
-        """With job["turns"] (`common.Turns`): after `warmup` steps, blocks of `n` steps taking turns
-        with the other side; each block's seconds, useful tokens (all ranks) and the rank's main-thread
-        CPU seconds (`time.thread_time`: the Trainer's steps, data loading included, run in that
-        thread)."""
-
-        def __init__(self, path: str, sides: list[str], warmup: int, n: int) -> None:
-            self.turns = common.Turns(path, tuple(sides), "hf_trainer")
-            self.warmup, self.n, self.blocks = warmup, n, []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            done = state.global_step - self.warmup
-            if done < 0 or done % self.n:
-                return
-            if done:
-                block = done // self.n - 1
-                self.turns.done(block, lambda: self.blocks.append(
-                    {"seconds": time.perf_counter() - self.start,
-                     "tokens": state.num_input_tokens_seen - self.tokens,
-                     "cpu_seconds": time.thread_time() - self.cpu}
-                ))  # fmt: skip
-            else:
-                self.turns.ready()
-            if state.global_step < state.max_steps:
-                self.turns.wait(done // self.n)
-                self.start, self.tokens = time.perf_counter(), state.num_input_tokens_seen
-                self.cpu = time.thread_time()
-
     clock_cb = StepClock()
-    callbacks = [clock_cb]
-    if job.get("turns"):
-        callbacks.append(TakeTurns(**job["turns"]))
     trainer = transformers.Trainer(
-        model=model,
-        args=args,
-        train_dataset=kept,
-        data_collator=collate_rows,
-        callbacks=callbacks,
+        model=model, args=args, train_dataset=kept, data_collator=collate_rows, callbacks=[clock_cb]
     )
-    try:
-        trainer.train()
-    except BaseException:
-        if job.get("turns"):
-            callbacks[-1].turns.fail()
-        raise
+    trainer.train()
     # the micro batches the steps trained on: the first ones collated (the loader collates one ahead)
     used = passes[: job["steps"] * ACCUM]
     result = {"steps": clock, "peak_rss_bytes": clock_cb.peak, "passes": used}
-    if job.get("turns"):
-        result["blocks"] = callbacks[-1].blocks
     Path(f"{job['out']}-{rank}.json").write_text(json.dumps(result))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -260,7 +207,6 @@ def hf_trainer_run(
     group_by_length: bool,
     max_pixels: int | None,
     counted: list[tuple[int, int]] | None = None,
-    turns: dict | None = None,
 ) -> dict:
     """Useful tokens per second of `steps` Trainer steps after `warmup` (2 CPU processes, ZeRO-3), the
     largest peak resident memory of a rank, the padding share of the timed steps' positions, the rows
@@ -288,8 +234,6 @@ def hf_trainer_run(
         "rows": kept,
         "lengths": [lengths[i] for i in kept],
         "out": str(out),
-        # taking turns with another side (`common.Turns`): {"path", "sides", "warmup", "n"}
-        "turns": turns,
     }
     mp.spawn(_worker, args=(common.free_port(), job), nprocs=WORLD)
     ranks = [json.loads(Path(f"{out}-{r}.json").read_text()) for r in range(WORLD)]
@@ -308,15 +252,4 @@ def hf_trainer_run(
         "skipped_too_long": sum(n > MAX_LENGTH for n in lengths),
         "left_out_without_image": sum(n <= MAX_LENGTH and images == 0 for n, images in counted),
         "steps": rows,
-        # rank 0's blocks, each with every rank's CPU seconds
-        **(
-            {
-                "blocks": [
-                    {**block, "cpu_seconds": [r["blocks"][k]["cpu_seconds"] for r in ranks]}
-                    for k, block in enumerate(ranks[0]["blocks"])
-                ]
-            }
-            if turns
-            else {}
-        ),  # fmt: skip
     }

@@ -9,8 +9,9 @@ built, freed heap is returned to the system (malloc_trim), the peak resident set
 "step_peak" is that peak above the rank's resident size before the steps: what training needs beyond
 the model, engine and data it holds (ZeRO-3's optimizer state, created at the first step, included).
 
-Controls: `train.gradient_checkpointing`, answer-only logits (raylora's loss; off: the logits of every
-position, `raylora.loss.FULL_LOGITS`), `data.max_pixels` and `data.max_length`.
+Controls, the settings a user turns: `train.gradient_checkpointing`, `data.max_pixels` and
+`data.max_length`. raylora's loss computes the logits of answer positions only, always (`raylora.loss`);
+what the logits of every position would add is arithmetic, in bench/on_paper.py.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from pathlib import Path
 
 import common
 
-from tests.support import tiny_run_config
-
 VOCAB = 32064  # llava-1.5-7b's; Qwen2-VL-7B's is 152064
 WIDTH, LAYERS = 256, 4
 IMAGE_EDGE = 256  # pixels a side: 1024 image tokens at 8 px per merged token
@@ -36,7 +35,7 @@ MAX_LENGTH = 1500  # between the short rows (about 1040 tokens) and the long one
 # tiny model's 8 px per merged token.
 PROCESSOR_MIN_PIXELS, PROCESSOR_MAX_PIXELS = 4 * 64, 16384 * 64
 
-CONTROLS = ("gradient_checkpointing", "answer_only_logits", "max_pixels", "max_length")
+CONTROLS = ("gradient_checkpointing", "max_pixels", "max_length")
 
 
 def long_sequence_model(work: str | Path, tiny: bool) -> str:
@@ -103,16 +102,14 @@ def _rss_kb(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def measure_on_rank(cfg, full_logits: bool, steps: int) -> list[dict]:
+def measure_on_rank(cfg, steps: int) -> list[dict]:
     """On each rank: build, reset the peak, train `steps` steps; every rank's figures (on rank 0)."""
     import ctypes
 
     import torch.distributed as dist
 
-    import raylora.loss
     from raylora.worker import setup, train_step
 
-    raylora.loss.FULL_LOGITS = full_logits
     s = setup(cfg, None)
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand what building freed back, so it does not hide the steps'
@@ -160,14 +157,11 @@ def main() -> None:
                 *([f"data.max_pixels={MAX_PIXELS}"] if "max_pixels" in on else []),
                 *([f"data.max_length={max_length}"] if "max_length" in on else []),
             ]
-            cfg = tiny_run_config(
+            cfg = common.run_config(
                 model_dir, train_file, work, name.replace(" ", "-"), common.NO_CHECKPOINTS, *overrides
             )
-            full = "answer_only_logits" not in on
             start = time.perf_counter()
-            ranks = common.on_workers(
-                lambda cfg=cfg, full=full: measure_on_rank(cfg, full, steps), work, cfg.run.name
-            )
+            ranks = common.on_workers(lambda cfg=cfg: measure_on_rank(cfg, steps), work, cfg.run.name)
             step_peaks = [r["peak_rss_mb"] - r["rss_before_mb"] for r in ranks]
             rows[name] = {
                 "controls_on": sorted(on),

@@ -260,7 +260,6 @@ def _steps(rank: int, world: int, cfg, steps: int, out: str) -> None:
     from raylora import worker
 
     s = worker.setup(cfg, None)
-    worker.bind_cores(cfg, rank, world)  # as raylora's Train workers bind their training threads
     common.peak_rss_reset()
     rows = []
     for _ in range(steps):
@@ -327,8 +326,6 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
     import torch.multiprocessing as mp
     from hf_trainer_steps import hf_trainer_run
 
-    from tests.support import tiny_run_config
-
     work = Path(args.work) / "padding"
     arch, width, model, data, max_pixels = _mix(args, kind, work)
     micro, max_length = MICRO, MAX_LENGTH
@@ -363,7 +360,7 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
         samples["hf_trainer"], peaks["hf_trainer"] = [], []
     for rep in range(reps):
         cfgs = {
-            mode: tiny_run_config(
+            mode: common.run_config(
                 model,
                 inputs[mode],
                 work / "runs",
@@ -383,8 +380,7 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
         groups = [list(modes)] if args.tiny else [[mode] for mode in modes]
         for group in groups:
             configs, files = [cfgs[m] for m in group], [outs[m] for m in group]
-            with common.raylora_worker_env():  # raylora's side, as its Train workers start
-                mp.spawn(step_worker, args=(2, common.rendezvous(), configs, steps, files), nprocs=2)
+            mp.spawn(step_worker, args=(2, common.rendezvous(), configs, steps, files), nprocs=2)
         for mode in modes:
             got = json.loads(Path(outs[mode]).read_text())
             timed = got["steps"][warmup:]
@@ -438,204 +434,10 @@ def measure(args, kind: str, steps: int, warmup: int, reps: int, with_hf: bool =
     return result
 
 
-TURN_SIDES = ("raylora", "hf_trainer")
-
-
-def _turn_steps(
-    rank: int, world: int, rendezvous: str, cfg, warmup: int, blocks: int, n: int, turn: str, out: str
-):
-    """raylora's side of `turns`: `warmup` steps, then `blocks` blocks of `n` steps taking turns with the
-    Trainer (`common.Turns`); each block's seconds, useful tokens (all ranks) and each rank's
-    training-thread CPU seconds (`time.thread_time`) into `out` (rank 0)."""
-    import torch.distributed as dist
-
-    from raylora import worker
-
-    common.plain_process_group(rank, world, rendezvous)
-    turns = common.Turns(turn, TURN_SIDES, "raylora")
-    rows = []
-    try:
-        s = worker.setup(cfg, None)
-        worker.bind_cores(cfg, rank, world)  # as raylora's Train workers bind their training threads
-        for _ in range(warmup):
-            worker.train_step(s)
-        turns.ready()
-        for block in range(blocks):
-            turns.wait(block)
-            start, cpu, tokens = time.perf_counter(), time.thread_time(), 0.0
-            for _ in range(n):
-                metrics = worker.train_step(s)
-                tokens += step_tokens(metrics, cfg)
-            turns.done(block, lambda start=start, cpu=cpu, tokens=tokens: rows.append(
-                {"seconds": time.perf_counter() - start, "tokens": tokens,
-                 "cpu_seconds": time.thread_time() - cpu}
-            ))  # fmt: skip
-        turns.finish(blocks)
-    except BaseException:
-        turns.fail()
-        raise
-    cpu = [None] * world
-    dist.all_gather_object(cpu, [r["cpu_seconds"] for r in rows])
-    if rank == 0:
-        for k, row in enumerate(rows):
-            row["cpu_seconds"] = [c[k] for c in cpu]  # each rank's
-        Path(out).write_text(json.dumps(rows))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def turns(args, kind: str, warmup: int, blocks: int, n: int, budget: bool = False) -> dict:
-    """raylora grouped by length against the HF Trainer (group_by_length) on the rows the Trainer trains
-    on, as `measure` runs them, but both up at once and taking turns block by block (`common.Turns`):
-    a ratio of useful tokens per second for each pair of adjacent blocks, so that the machine's drift
-    (which moves a whole run by up to 2x here) cancels. Blocks of `HF_MEGABATCH_STEPS` steps span whole
-    length groups on both sides (the Trainer sorts each group of 8 steps longest first).
-
-    `budget`: raylora's micro batches cut by train.max_tokens_per_micro_batch at the padded micro batch's
-    worst case (MICRO x MAX_LENGTH positions, so the same memory bound), still padded; the Trainer's
-    side is unchanged."""
-    import torch.multiprocessing as mp
-    from hf_trainer_steps import hf_trainer_run, token_lengths
-
-    from raylora.data.processor import load_processor
-    from tests.support import tiny_run_config
-
-    work = Path(args.work) / "padding-turns"
-    arch, width, model, data, max_pixels = _mix(args, kind, work)
-    counted = token_lengths(load_processor(model, max_pixels), data)
-    steps = warmup + blocks * n
-    overrides = [TOKEN_BUDGET] if budget else []
-    cfg = tiny_run_config(
-        model,
-        _trainer_rows_file(data, counted),
-        work / "runs",
-        f"{kind}-turns",
-        "data.workers=0",
-        f"train.max_steps={steps}",
-        "train.global_batch_size=16",
-        f"train.micro_batch_size={MICRO}",
-        f"data.max_length={MAX_LENGTH}",
-        *([f"data.max_pixels={max_pixels}"] if max_pixels else []),
-        "train.group_by_length=true",
-        *overrides,
-    )
-    turn, out = work / f"{kind}-turn", work / f"{kind}-raylora-blocks.json"
-    common.Turns.start(turn, TURN_SIDES)
-    # raylora's side, as its Train workers start; the Trainer's as users get it
-    with common.raylora_worker_env():
-        raylora_side = mp.spawn(
-            _turn_steps,
-            args=(2, common.rendezvous(), cfg, warmup, blocks, n, str(turn), str(out)),
-            nprocs=2,
-            join=False,
-        )
-    try:
-        hf = hf_trainer_run(
-            model, data, work / "hf", arch, steps, warmup, True, max_pixels, counted,
-            turns={"path": str(turn), "sides": list(TURN_SIDES), "warmup": warmup, "n": n},
-        )  # fmt: skip
-    finally:
-        while not raylora_side.join():
-            pass
-    rows = {"raylora": json.loads(out.read_text()), "hf_trainer": hf["blocks"]}
-    rates = {side: [r["tokens"] / r["seconds"] for r in rows[side]] for side in TURN_SIDES}
-    per_block = [r / h for r, h in zip(rates["raylora"], rates["hf_trainer"], strict=True)]
-    # The two sides' blocks hold different samples (each side's own length grouping), so a block's rate
-    # moves with what it holds as well as with the machine; over all blocks, which span the same wall
-    # time (taking turns) and 2.5 epochs or more of the same rows on each side, the samples even out.
-    tokens, seconds, cpu = (
-        {side: sum(f(r) for r in rows[side]) for side in TURN_SIDES}
-        for f in (lambda r: r["tokens"], lambda r: r["seconds"], lambda r: sum(r["cpu_seconds"]))
-    )
-    overall = {side: tokens[side] / seconds[side] for side in TURN_SIDES}
-    return {
-        "model": f"tiny {arch} width {width}, {MEASURE_LAYERS}+{MEASURE_LAYERS} layers",
-        "setup": {
-            "warmup_steps": warmup,
-            "blocks": blocks,
-            "steps_per_block": n,
-            "micro_batch_size": MICRO,
-            "raylora_overrides": ["train.group_by_length=true", *overrides],
-        },
-        "useful_tokens_per_s": {side: common.summary(v) for side, v in rates.items()},
-        "raylora_grouped_over_hf_trainer_per_block": per_block,
-        "raylora_grouped_over_hf_trainer": common.median(per_block),
-        "blocks_raylora_ahead": sum(q > 1 for q in per_block),
-        "useful_tokens_per_s_all_blocks": overall,
-        "raylora_grouped_over_hf_trainer_all_blocks": overall["raylora"] / overall["hf_trainer"],
-        # the training threads' CPU (both ranks) per useful token, and per wall second of the blocks (2:
-        # neither rank ever waits, for the other rank or for a core)
-        "cpu_ms_per_useful_token": {side: 1000 * cpu[side] / tokens[side] for side in TURN_SIDES},
-        "cpu_per_wall_second": {side: cpu[side] / seconds[side] for side in TURN_SIDES},
-    }
-
-
 def main() -> None:
     p = common.parser(__doc__)
     p.add_argument("--steps", type=int, default=None, help="steps per measured run (default 24, --tiny 3)")
-    p.add_argument(
-        "--turns",
-        type=int,
-        default=None,
-        metavar="BLOCKS",
-        help="instead: raylora grouped and the HF Trainer taking turns in BLOCKS blocks of 8 steps on both "
-        "mixes (`turns`), written to padding_turns.json",
-    )
-    p.add_argument(
-        "--budget",
-        action="store_true",
-        help="with --turns: raylora's padded micro batches cut by train.max_tokens_per_micro_batch "
-        "(MICRO x MAX_LENGTH), written to padding_turns_budgeted.json",
-    )
     args = p.parse_args()
-    if args.turns:
-        warmup, n = (1, 2) if args.tiny else (HF_MEGABATCH_STEPS, HF_MEGABATCH_STEPS)
-        mixes = ("llava_instruct", "qwen2_vl")
-        results = {kind: turns(args, kind, warmup, args.turns, n, args.budget) for kind in mixes}
-        budget_text = f", {TOKEN_BUDGET}" if args.budget else ""
-        common.write_result(
-            args,
-            "padding_turns_budgeted" if args.budget else "padding_turns",
-            {
-                "mixes": results,
-                "goal": {
-                    "text": f"raylora (train.group_by_length{budget_text}) ahead of the HF Trainer "
-                    "(group_by_length) in useful tokens per second, padded, on the rows the Trainer "
-                    "trains on (issue 22, part 4)",
-                    "met": all(r["raylora_grouped_over_hf_trainer_all_blocks"] > 1 for r in results.values()),
-                },
-                "notes": [
-                    "Both sides up at once, taking turns block by block (bench/common.py Turns): the side "
-                    "waiting for its turn idles (its rank 0 polls a file every 20 ms). Each block's ratio is "
-                    "of the raylora block and the Trainer block after it.",
-                    "Useful tokens: raylora's, the non-padding positions its passes compute (train_step's "
-                    "tokens_per_s); the Trainer's, include_num_input_tokens_seen='non_padding'. The two "
-                    "sides train on different samples per block (each its own length grouping), so a "
-                    "block's ratio is of rates, not of times.",
-                    "The goal's figure is useful tokens per second over all blocks of each side "
-                    "(raylora_grouped_over_hf_trainer_all_blocks): a block's rate moves with the samples it "
-                    "holds, and over all blocks (the same wall time, taking turns; 2.5 epochs or more of the "
-                    "same rows on each side) they even out. The median of the block pairs' ratios is kept "
-                    "beside it.",
-                    "cpu_ms_per_useful_token and cpu_per_wall_second: the training threads' CPU of both "
-                    "ranks (time.thread_time) over the blocks; the same CPU per token with a lower rate is "
-                    "time the ranks wait (for each other in a collective, or for a core).",
-                ],
-            },
-        )
-        print(
-            json.dumps(
-                {
-                    k: {
-                        "per_block": r["raylora_grouped_over_hf_trainer_per_block"],
-                        "all_blocks": r["raylora_grouped_over_hf_trainer_all_blocks"],
-                    }
-                    for k, r in results.items()
-                },
-                indent=1,
-            )
-        )
-        return
     steps, n = (10, 2_000) if args.tiny else (STEPS, SAMPLES)
     rng = np.random.default_rng(SEED)
     llava = config.load("jobs/llava-1.5-7b.yaml", [])

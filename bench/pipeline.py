@@ -17,8 +17,6 @@ from pathlib import Path
 
 import common
 
-from tests.support import tiny_run_config
-
 VARIANTS = {"inline": "data.workers=0", "background": "data.workers=1"}
 
 
@@ -64,7 +62,7 @@ def main() -> None:
 
         for rep in range(reps):
             for variant, setting in VARIANTS.items():
-                cfg = tiny_run_config(
+                cfg = common.run_config(
                     model,
                     data,
                     work / "ray",
@@ -95,7 +93,7 @@ def main() -> None:
                 "image_format": "PNG of uniform noise",
                 "steps_per_run": steps,
                 "warmup_steps_left_out": warmup,
-                "run": "tests.support.tiny_run_config, 1 worker, data.workers 0 against 1",
+                "run": "bench/run.yaml, 1 worker, data.workers 0 against 1",
                 "repeats": reps,
             },
             "figures": {f"{k}_seconds_per_step": common.summary(v) for k, v in samples.items()},

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import common
 
-from tests.support import tiny_run_config
-
 
 def main() -> None:
     from raylora.driver import make_trainer, preflight
@@ -43,7 +41,7 @@ def main() -> None:
     resumed_from, load = [], []
     with common.local_ray():
         for rep in range(reps):
-            cfg = tiny_run_config(
+            cfg = common.run_config(
                 model,
                 data,
                 work / "ray",

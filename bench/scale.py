@@ -2,8 +2,8 @@
 
 Tiny Llava models of growing width, LoRA r=4 on every linear layer of the language model, vision tower
 and aligner frozen. Per size, on the same trained state:
-- raylora: `worker.save_checkpoint`; restore as `worker.setup(cfg, loaded)` runs it (read files,
-  `zero.partition_load`, `zero.set_trainable_state`);
+- raylora: `worker.save_checkpoint`; restore as `worker.setup(cfg, checkpoint.Ranges(...))` runs it
+  (open the checkpoint, `zero.partition_load`, `zero.set_trainable_state`);
 - Ray's DeepSpeed example: every rank calls `engine.save_checkpoint`; `engine.load_checkpoint` on a
   freshly built engine.
 Writes bench/results/scale.json and scale.png.
@@ -17,8 +17,6 @@ import time
 from pathlib import Path
 
 import common
-
-from tests.support import tiny_run_config
 
 
 def probe(runs: list, out_dir: str, reps: int) -> list[dict]:
@@ -63,7 +61,7 @@ def probe(runs: list, out_dir: str, reps: int) -> list[dict]:
 
             dist.barrier()
             start = time.perf_counter()
-            loaded = checkpoint.load(ours)
+            loaded = checkpoint.Ranges(ours, hashes=s.rank == 0)  # as a resumed run opens it
             read = time.perf_counter() - start
             zero.partition_load, zero.set_trainable_state = timed(real_load), timed(real_set)
             try:
@@ -142,7 +140,7 @@ def main() -> None:
         runs.append(
             (
                 f"width {w}",
-                tiny_run_config(
+                common.run_config(
                     model,
                     data,
                     work / "ray",

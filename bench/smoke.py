@@ -3,14 +3,13 @@ behind tests/test_bench.py (a check that each script works end to end, not a tim
 
 One process and one Ray for all scripts, and one scratch folder, so the tiny models and the digits are
 built once: starting Python, importing torch and starting Ray per script cost more than most tiny runs.
-For the same reason the scripts' probes (`common.on_workers`) share one worker group
-(`common.probe_group`); their runs of raylora's driver start groups of their own, as a user's would.
+Each script's worker groups are its own, as in its own runs.
 
     python bench/smoke.py --out DIR --work DIR SCRIPT [SCRIPT ...]     # e.g. throughput recovery
 
-Each script writes DIR/SCRIPT.json as `python bench/SCRIPT.py --tiny --out DIR --work DIR` would; a
-SCRIPT with flags, one argument ("throughput --where"), runs with them too. DIR/smoke.json says for
-each whether it finished, its traceback if not, and its seconds.
+Each script writes DIR/SCRIPT.json as `python bench/SCRIPT.py --tiny --out DIR --work DIR` would;
+a SCRIPT with flags, one argument ("checkpoint_stall --storage DIR"), runs with them too. DIR/smoke.json
+says for each whether it finished, its traceback if not, and its seconds.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
-import common  # puts the repository root on sys.path
+import common  # noqa: F401  (sets what every script's Ray needs before Ray starts)
 
 
 def main() -> None:
@@ -37,13 +36,12 @@ def main() -> None:
 
     import ray
 
-    from raylora.driver import init_ray
+    from raylora.ray_runtime import init_ray
 
     init_ray(num_cpus=4)  # common.local_ray uses this one and leaves it running
     status = {}
     try:
-        with common.probe_group(Path(args.work) / "probe-group"):
-            smoke(args.scripts, out, args.work, status)
+        smoke(args.scripts, out, args.work, status)
     finally:
         ray.shutdown()
 

@@ -17,9 +17,6 @@ import torch.nn.functional as F
 
 from raylora.data.labels import IGNORE_INDEX
 
-FULL_LOGITS = False
-"""Benchmark switch (bench/memory.py): compute the logits of every position, as a plain forward does."""
-
 
 def predicts_answer(labels: torch.Tensor) -> torch.Tensor:
     """Boolean (batch, length): position p predicts token p + 1, an answer token (the last predicts none)."""
@@ -76,16 +73,6 @@ def answer_token_losses(
     loss (mixture-of-experts models, raylora.moe.aux_loss_coef), which the model then computes.
     """
     extra = {"output_router_logits": True} if aux is not None else {}
-    if FULL_LOGITS:
-        keep = predicts_answer(labels)
-        out = model(**batch, **extra)
-        logits = out.logits.float()
-        if aux is not None:
-            aux.append(out.aux_loss)
-        every = F.cross_entropy(
-            logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=IGNORE_INDEX, reduction="none"
-        )
-        return every[keep[:, :-1]], keep.nonzero()[:, 0]
     pos = positions if positions is not None else answer_positions(labels)
     with _only_rows(model, pos["flat"]):
         out = model(**batch, logits_to_keep=0, **extra)  # logits: (answer tokens, vocabulary)

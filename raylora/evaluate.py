@@ -99,6 +99,7 @@ def load_for_inference(
     base = auto_model_class(remote_code(model_path) if trust else {}).from_pretrained(
         model_path, dtype=dtype, trust_remote_code=trust, **four_bit
     )
+    quant.no_cpu_repack(base)  # scored with training's numerics (raylora.quant)
     model = PeftModel.from_pretrained(base, str(folder))
     trained = checkpoint.read_trained_modules(folder)
     if trained:
@@ -307,6 +308,7 @@ def gathered_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
     for name, buffer in model.named_buffers(remove_duplicate=False):
         owner, _, leaf = name.rpartition(".")
         plain.get_submodule(owner)._buffers[leaf] = buffer.detach().to(device, copy=True)
+    quant.no_cpu_repack(plain)
     left = [n for n, t in [*plain.named_parameters(), *plain.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"gathered_copy: the copy's {left[:3]} have no counterpart in the model")

@@ -9,7 +9,8 @@ What this takes, read in transformers 5.23, bitsandbytes 0.50 and DeepSpeed 0.19
   (vision tower, aligner, an audio tower, lm_head) is named in `llm_int8_skip_modules`.
 - In eval mode on a CPU with AVX512-BF16, `Linear4bit.forward` repacks `weight.data` in place and marks
   its quantization state; under ZeRO-3 the next gather brings back the old layout with the new mark.
-  The training model never repacks (`prepare`); evaluation copies each weight and state (`copy_weight`).
+  raylora turns the repack off (`no_cpu_repack`) and gives evaluation's copy its own quantization state
+  (`copy_weight`).
 
 The checkpoint is unchanged in kind: the quantized base is frozen, so it is never saved.
 """
@@ -120,12 +121,19 @@ def is_4bit(param: torch.nn.Parameter) -> bool:
 def prepare(model: torch.nn.Module) -> None:
     """The loaded 4-bit model, ready for ZeRO-3: no in-place CPU repack in eval mode (the module docstring
     says why), and its load-time size logged."""
-    layers = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
-    if not layers:
+    if not no_cpu_repack(model):
         raise ConfigError("model.quantization: no linear layer of the language model was quantized")
+    log.info(load_report(model))
+
+
+def no_cpu_repack(model: torch.nn.Module) -> int:
+    """Keep `model`'s 4-bit layers in the layout training computes with, in eval mode too; returns how many
+    there are. The CPU repack (module docstring) would break ZeRO-3's gathers, gives evaluation other
+    numerics than training's, and fails on widths that are no multiple of the quantization block."""
+    layers = [m for m in model.modules() if type(m).__name__ == "Linear4bit"]
     for layer in layers:
         layer.support_avx512bf16_for_cpu = False
-    log.info(load_report(model))
+    return len(layers)
 
 
 def load_report(model: torch.nn.Module) -> str:

@@ -601,6 +601,66 @@ def memory_per_gpu(name: str, model_config, arch_name: str) -> dict:
     }
 
 
+QLORA_CARDS_GB = (24, 40, 48, 80)
+QLORA_WORLDS = (1, 2, 8)
+
+
+def qlora_on_paper(name: str, model_config, arch_name: str, memory: dict) -> dict:
+    """Memory per GPU of the shipped job config with and without model.quantization=nf4, at load and in
+    training, on 1, 2 and 8 GPUs, and the smallest card (24, 40, 48, 80 GB) each fits.
+
+    At load, raylora without 4 bits loads under zero.Init (a 1/world share of the bf16 model per GPU);
+    with 4 bits every rank holds the whole model (transformers skips zero.Init for a quantized model):
+    the language model's linear layers at half a byte per parameter plus one fp32 scale per 64
+    (bitsandbytes' blocksize, no double quantization), everything else in bf16. In training ZeRO-3
+    partitions the packed weights like any parameter; the scales are no parameters and stay whole on
+    every rank. Activations, gradients and optimizer state are the shipped scenario's
+    (`memory_per_gpu`), which the 4-bit base does not change; the gathered-parameter bound is kept at
+    its bf16 size (an upper bound).
+    """
+    import torch
+
+    from raylora import config as cfgmod
+    from raylora.arch import REGISTRY
+    from raylora.model import base_on_meta
+
+    cfg = cfgmod.load(common.ROOT / "jobs" / JOBS[name])
+    arch = REGISTRY[arch_name]
+    model = base_on_meta(model_config)  # the linear layers bitsandbytes quantizes (raylora.quant)
+    linear = sum(
+        m.weight.numel()
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and arch.part_of(n + ".weight") == "language_model"
+    )
+    total = sum(p.numel() for p in model.parameters())
+    packed, scales, rest = linear / 2, 4 * linear / 64, 2 * (total - linear)
+    shipped = memory["scenarios"]["shipped"]
+    activations = shipped["activations_gb"] * GB
+    rows = {}
+    for world in QLORA_WORLDS:
+        sized = dataclasses.replace(cfg, scaling=dataclasses.replace(cfg.scaling, num_workers=world))
+        shares = zero3_shares(model_config, arch_name, sized)
+        bf16_train = sum(shares["bytes"].values()) + activations + RUNTIME_OVERHEAD_GB * GB
+        four_train = bf16_train - 2 * total / world + (packed + rest) / world + scales
+        sides = {
+            "bf16": {"load_gb": 2 * total / world / GB, "train_gb": bf16_train / GB},
+            "nf4": {"load_gb": (packed + scales + rest) / GB, "train_gb": four_train / GB},
+        }
+        for side in sides.values():
+            peak = max(side["load_gb"], side["train_gb"])
+            side["smallest_card_gb"] = next((c for c in QLORA_CARDS_GB if peak <= c), None)
+        rows[f"{world} GPU"] = sides
+    return {
+        "model": name,
+        "job": f"jobs/{JOBS[name]}",
+        "language_model_linear_params": linear,
+        "params": total,
+        "nf4_weights_gb": (packed + scales) / GB,
+        "activations_gb_shipped": shipped["activations_gb"],
+        "per_gpu": rows,
+    }
+
+
 def packing_on_paper(name: str, model_config, steps: int, samples: int) -> dict:
     """A step of the shipped job config padded against packed, in the language model's FLOPs, on the length
     mix bench/padding.py models for it; and the activation memory of a packed pass at the config's token
@@ -701,6 +761,11 @@ def main() -> None:
         for trained in (False,) if args.tiny and arch != "llava" else (False, True):
             rows.append({"model": name, **count(build(), arch, trained, dropout)})
     memory = [memory_per_gpu(name, build(), arch) for name, (build, arch, _) in models.items()]
+    qlora = [
+        qlora_on_paper(name, build(), arch, mem)
+        for (name, (build, arch, _)), mem in zip(models.items(), memory, strict=True)
+        if arch in ("llava", "qwen2_vl", "qwen3_vl")  # dense: model.quantization refuses fused experts
+    ]
     steps, samples = (10, 2_000) if args.tiny else (padding_steps(), 20_000)
     # packing on the length mixes bench/padding.py models, which are the 7B jobs'
     packed = [
@@ -722,6 +787,7 @@ def main() -> None:
             },
             "models": rows,
             "memory_per_gpu": memory,
+            "qlora_memory_per_gpu": qlora,
             "packing": packed,
             "assumptions": [
                 "raylora: 12 bytes per trainable parameter (fp32 master + Adam exp_avg + exp_avg_sq) plus "

@@ -37,7 +37,7 @@ DEMO_SETTINGS = [
     "run.max_failures=2",
     "run.num_to_keep=2",
     # The digits are 8x8 images: a step's batches take less to build inline than to hand over from a
-    # pipeline process, which on a 2-core machine competes with the 2 workers (120 s -> 104 s here).
+    # pipeline process, which competes with the workers for the machine's cores (dev/LOG.md).
     "data.workers=0",
 ]
 

@@ -33,13 +33,10 @@ SKIPPED_OPS = ("deepspeed_shm_comm",)
 for _name in SKIPPED_OPS:
     deepspeed.ops.__compatible_ops__[_name] = False
 
-# DeepSpeed's ZeRO engines import its Muon optimizer at every start (stage 3 asks `isinstance(optimizer,
-# MuonWithAuxAdam)`), and that module decorates three kernels with `torch.compile`, which imports
-# TorchInductor to build each decorator: 2.7 s of CPU at every worker start, restarts included (cProfile
-# of `worker.setup` on one rank: 4.5 s with it, 0.8-1.3 s without), for an optimizer raylora never runs (its
-# DeepSpeed config asks for AdamW). So the module is imported here first while DeepSpeed's own compile
-# hook (`deepspeed.runtime.compiler.compile`) hands functions back as they are: the class exists for
-# DeepSpeed's checks, its kernels stay eager, and torch.compile itself is left alone.
+# DeepSpeed's ZeRO engines import its Muon optimizer at every start, whose `torch.compile` decorators import
+# TorchInductor, seconds of CPU per worker start (dev/LOG.md), for an optimizer raylora never runs. So the
+# module is imported here first while DeepSpeed's own compile hook hands functions back as they are: the
+# class exists for DeepSpeed's checks, its kernels stay eager, and torch.compile itself is left alone.
 from deepspeed.runtime import compiler as _compiler  # noqa: E402
 
 _compile = _compiler.compile

@@ -11,11 +11,13 @@
 - `sampler`: the global sampler (which rows a step trains on).
 - `labels`: a sample rendered once and tokenised once, labels on the answers and their stop tokens.
 - `batches`: decoding rows, padding and stacking micro batches, the stand-in samples (image, video).
+- `steps`: one rank's share of a training step (`StepBatches`): its rows read, cut into micro batches,
+  counted for the loss, and moved to the device.
 - `preflight`: the driver's data checks before Ray starts (processor, template, a sample of the rows).
 - `pipeline`: building the steps' batches beside training. (`raylora prepare-data`, a command on Ray
   Data, is `raylora.prepare`.)
 
-Imports flow one way: preflight -> batches -> labels, formats; pipeline -> formats -> records, turns,
-alpaca, llamafactory -> rows -> sample; formats, labels, processor -> video; processor, sampler and video
-stand on their own otherwise (config only, or nothing).
+Imports flow one way: preflight, steps -> batches -> labels, formats; steps -> sampler; pipeline ->
+formats -> records, turns, alpaca, llamafactory -> rows -> sample; formats, labels, processor -> video;
+processor, sampler and video stand on their own otherwise (config only, or nothing).
 """

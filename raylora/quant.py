@@ -58,6 +58,12 @@ def check(cfg: Config, model: torch.nn.Module, arch: Architecture) -> None:
             "full precision, and PEFT's expert adapters do not take quantized tensors; train it without "
             "model.quantization"
         )
+    if cfg.lora.use_dora:
+        raise ConfigError(
+            "lora.use_dora with model.quantization: PEFT computes DoRA's magnitudes by gathering the base "
+            "weight through ZeRO-3 when it adds the adapter, and a 4-bit weight is not partitioned yet then "
+            "(transformers loads a quantized model outside zero.Init): DeepSpeed fails on it"
+        )
     if str(cfg.lora.init).startswith(_FROM_WEIGHTS):
         raise ConfigError(
             f"lora.init={cfg.lora.init} with model.quantization: it initialises the adapter from the base "

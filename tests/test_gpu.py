@@ -218,6 +218,27 @@ def test_gpu_kill_and_resume_equals_uninterrupted(
         assert torch.equal(value, other.moments[name]), f"{name} differs after resume"
 
 
+def test_gpu_qlora_kill_resume_and_evaluation(ray_cluster, tiny_models, digits, tmp_path):
+    """model.quantization=nf4 on CUDA (bitsandbytes' CUDA kernels, bf16 storage and compute): the 4-bit
+    language model loads on each worker's GPU, evaluation runs between steps, and a killed run resumes bit
+    for bit."""
+    pytest.importorskip("bitsandbytes")
+    model = tiny_models("qwen3_vl")
+    qlora = ("model.quantization=nf4", f"data.eval={digits[1]}", "train.eval_every=2", "train.eval_samples=8")
+    straight = run(tiny_run_config(model, digits[0], tmp_path, "straight", *_overrides(*qlora)))
+    killed = run(
+        tiny_run_config(model, digits[0], tmp_path, "killed", *_overrides(*qlora, "fault.kill_at_steps=2"))
+    )
+    assert straight.error is None and killed.error is None
+    with straight.checkpoint.as_directory() as a, killed.checkpoint.as_directory() as b:
+        one, other = whole_checkpoint.load(a), whole_checkpoint.load(b)
+    assert other.state.restarts == 1 and one.state.step == other.state.step == 4
+    assert not any("base_layer" in name for name in one.weights), "a 4-bit base weight was saved"
+    for name, value in one.weights.items():
+        assert torch.equal(value, other.weights[name]), f"{name} differs after resume"
+    assert "eval_loss" in straight.metrics
+
+
 def _flash_attn_imports() -> bool:
     try:
         import flash_attn  # noqa: F401

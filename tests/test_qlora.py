@@ -57,6 +57,7 @@ def test_int8_is_refused_naming_why():
     [
         ("qwen3_vl_moe", ["lora.dropout=0"], "experts are fused 3-D tensors"),
         ("llava", ["lora.init=pissa"], "lora.init=pissa with model.quantization"),
+        ("llava", ["lora.use_dora=true"], "lora.use_dora with model.quantization"),
     ],
 )
 def test_what_cannot_work_is_refused_before_ray(arch, overrides, named, tiny_models, digits, tmp_path):

@@ -47,6 +47,11 @@ def digits(tmp_path_factory):
     return make_digits(tmp_path_factory.mktemp("digits"))
 
 
+# Folders of one registry entry built another way: InternVL3.5's (-HF) folders hold the `internvl` model type
+# around a Qwen3 text model (raylora.tiny_others._internvl)
+VARIANTS = {"internvl3_5": ("internvl", {"text_model": "qwen3"})}
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory):
     """Model folders by architecture, built lazily."""
@@ -55,7 +60,8 @@ def tiny_models(tmp_path_factory):
 
     def get(arch: str) -> str:
         if arch not in built:
-            built[arch] = str(make_tiny_model(root / arch, arch))
+            name, variant = VARIANTS.get(arch, (arch, {}))
+            built[arch] = str(make_tiny_model(root / arch, name, **variant))
         return built[arch]
 
     return get

@@ -81,7 +81,7 @@ OVERRIDES = {arch: ("lora.dropout=0",) for arch in ("qwen3_vl_moe", "qwen3_5_moe
 
 EXPORTED = [
     *("llava", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"),
-    *("glm4v", "glm4v_moe", "glm46v", "gemma4"),
+    *("glm4v", "glm4v_moe", "glm46v", "gemma4", "internvl3_5"),
 ]
 
 

@@ -263,17 +263,13 @@ def gathered_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
     and values, with no ZeRO-3 hooks, so it runs forward passes without any collective.
 
     Built on the meta device from the model's own config and adapter config (no weights, no memory),
-    then filled: the partitioned parameters are gathered `COPY_CHUNK` elements at a time
-    (`GatheredParameters` with no modifier rank: read, never written, released as they were; those
-    already gathered, ZeRO-3's persistent ones and any the engine kept from its last pass, are copied as
-    they are and left so), the buffers copied.
-    Every rank must call this (the gathers are collectives). The engine, its fp32 masters and optimizer
-    state are only read.
+    then filled with the parameters gathered `COPY_CHUNK` elements at a time (`zero.gather_copies`) and
+    the buffers. Every rank must call this (the gathers are collectives). The engine, its fp32 masters
+    and optimizer state are only read.
     """
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    from raylora.ds import ZeroParamStatus, deepspeed
-    from raylora.zero import is_partitioned
+    from raylora.zero import gather_copies
 
     if is_deepspeed_zero3_enabled():  # from_config would partition the copy under zero.Init
         raise RuntimeError("gathered_copy: an HfDeepSpeedConfig is still alive; drop it after initialize")
@@ -287,18 +283,7 @@ def gathered_copy(model: torch.nn.Module, device: torch.device) -> torch.nn.Modu
         skeleton = auto_model_class(auto_map).from_config(config, trust_remote_code=bool(auto_map))
         quant.quantize_like(skeleton, source)  # a 4-bit base gets 4-bit layers in the copy too
         plain = get_peft_model(skeleton, adapter, autocast_adapter_dtype=False)
-    values: dict[int, torch.Tensor] = {}
-    params = list(model.parameters())  # each tied parameter once
-    start, numel = 0, 0
-    for i, param in enumerate(params):
-        numel += param.ds_numel if is_partitioned(param) else param.numel()
-        if numel < COPY_CHUNK and i + 1 < len(params):
-            continue
-        chunk, start, numel = params[start : i + 1], i + 1, 0
-        away = [p for p in chunk if is_partitioned(p) and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-        with deepspeed.zero.GatheredParameters(away):
-            for p in chunk:
-                values[id(p)] = p.data.to(device, copy=True)
+    values = gather_copies(list(model.parameters()), device, COPY_CHUNK)  # each tied parameter once
     made: dict[int, torch.nn.Parameter] = {}  # a tied parameter stays one parameter in the copy
     for name, param in model.named_parameters(remove_duplicate=False):
         owner, _, leaf = name.rpartition(".")

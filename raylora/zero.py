@@ -256,3 +256,27 @@ def set_trainable_state(engine, params: dict[str, torch.nn.Parameter], source: S
             dest = dest_flat.data.narrow(0, offset, length)
             dest.zero_()  # the padding past the parameter's end stays zero, as DeepSpeed keeps it
             dest[: chunk.numel()].copy_(chunk.to(dest.dtype))
+
+
+@torch.no_grad()
+def gather_copies(
+    params: list[torch.nn.Parameter], device: torch.device, chunk: int
+) -> dict[int, torch.Tensor]:
+    """A whole copy of each parameter on `device`, by `id`, gathered about `chunk` elements at a time
+    (`GatheredParameters` with no modifier rank: read, never written, released as they were; those already
+    whole, ZeRO-3's persistent ones and any the engine kept from its last pass, are copied as they are and
+    left so). Every rank must call it: the gathers are collectives."""
+    from raylora.ds import deepspeed
+
+    values: dict[int, torch.Tensor] = {}
+    start, numel = 0, 0
+    for i, param in enumerate(params):
+        numel += param.ds_numel if is_partitioned(param) else param.numel()
+        if numel < chunk and i + 1 < len(params):
+            continue
+        group, start, numel = params[start : i + 1], i + 1, 0
+        away = [p for p in group if is_partitioned(p) and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+        with deepspeed.zero.GatheredParameters(away):
+            for p in group:
+                values[id(p)] = p.data.to(device, copy=True)
+    return values

@@ -621,8 +621,7 @@ def qlora_on_paper(name: str, model_config, arch_name: str, memory: dict) -> dic
     import torch
 
     from raylora import config as cfgmod
-    from raylora.arch import REGISTRY
-    from raylora.model import base_on_meta
+    from raylora.arch import REGISTRY, base_on_meta
 
     cfg = cfgmod.load(common.ROOT / "jobs" / JOBS[name])
     arch = REGISTRY[arch_name]

@@ -161,6 +161,15 @@ def remote_code(model_path: str | Path) -> dict[str, str]:
         raise ConfigError(f"model.path: cannot read {config_file}: {err}") from err
 
 
+def base_on_meta(model_config):
+    """The base model `model_config` describes, on the meta device: structure and shapes, no weights."""
+    import torch
+
+    with torch.device("meta"):
+        auto_map = getattr(model_config, "auto_map", None) or {}
+        return auto_model_class(auto_map).from_config(model_config, trust_remote_code=bool(auto_map))
+
+
 def auto_model_class(auto_map: dict[str, str]):
     """`AutoModelForImageTextToText`, or `AutoModelForCausalLM` for a model whose own modeling code
     (`auto_map` in its config.json) registers only that, as Phi-3-vision's does: bridged for transformers 5

@@ -17,7 +17,7 @@ from peft.tuners.lora import LoraLayer
 from transformers.integrations import HfDeepSpeedConfig
 
 from raylora import hub, moe, quant
-from raylora.arch import Architecture, auto_model_class, lora_targets, remote_code
+from raylora.arch import Architecture, auto_model_class, base_on_meta, lora_targets, remote_code
 from raylora.checkpoint import is_adapter
 from raylora.config import Config, ConfigError
 from raylora.data import packing
@@ -209,13 +209,6 @@ def meta_model(cfg: Config, arch: Architecture, model_config) -> peft.PeftModel:
     quant.check(cfg, model, arch)
     with torch.device("meta"):
         return add_lora(model, cfg, arch)
-
-
-def base_on_meta(model_config) -> torch.nn.Module:
-    """The base model `model_config` describes, on the meta device."""
-    with torch.device("meta"):
-        auto_map = getattr(model_config, "auto_map", None) or {}
-        return auto_model_class(auto_map).from_config(model_config, trust_remote_code=bool(auto_map))
 
 
 def trainable_shapes(cfg: Config, arch: Architecture, model_config) -> dict[str, list[int]]:

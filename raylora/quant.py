@@ -106,8 +106,7 @@ def inference_kwargs(trained: dict, model_dir: str, dtype: torch.dtype, device: 
     from transformers import AutoConfig
 
     from raylora import config
-    from raylora.arch import for_model
-    from raylora.model import base_on_meta
+    from raylora.arch import base_on_meta, for_model
 
     run = config.from_dict(trained)
     if not run.model.quantization:

@@ -6,7 +6,11 @@ The page is generated, never edited by hand: tests/test_shipped_configs.py fails
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
 import sys
+import typing
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,11 +29,35 @@ error that names the key (exit code 2). "one of" lists the accepted values; `nul
 
 
 def page() -> str:
-    """The whole page: the header above, then `raylora.config.markdown_reference()`."""
-    sys.path.insert(0, str(ROOT))
-    from raylora import config
+    """The whole page: the header above, then `markdown_reference()`."""
+    return f"{HEADER}\n{markdown_reference()}\n"
 
-    return f"{HEADER}\n{config.markdown_reference()}\n"
+
+def markdown_reference() -> str:
+    """The config reference table, generated from raylora's config dataclasses, their types (a `Literal`
+    lists its choices) and their field docstrings."""
+    sys.path.insert(0, str(ROOT))
+    from raylora.config import Config
+    from raylora.config_checks import type_name
+
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    hints = typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
+        cls = hints[section.name]
+        tree = ast.parse(inspect.getsource(cls))
+        body = tree.body[0].body
+        docs = {
+            a.target.id: " ".join(b.value.value.split())
+            for a, b in zip(body, body[1:], strict=False)
+            if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr)
+        }
+        default = cls()
+        for f in dataclasses.fields(cls):
+            tp = type_name(typing.get_type_hints(cls)[f.name])
+            rows.append(
+                f"| `{section.name}.{f.name}` | {tp} | `{getattr(default, f.name)!r}` | {docs[f.name]} |"
+            )
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 from ray import tune
 
-from raylora import config
+from raylora import config, config_checks
 from raylora.config import ConfigError
 from raylora.reporting import rows
 
@@ -62,7 +62,7 @@ def trial_config(base: dict[str, Any], sample: dict[str, Any], trial_id: str) ->
     data = config.apply_overrides(_copy(base), [f"{k}={_yaml(v)}" for k, v in sample.items()])
     data["run"]["name"] = f"{data['run']['name']}-{trial_id}"
     cfg = config.from_dict(data)
-    config.validate(cfg)
+    config_checks.validate(cfg)
     return cfg
 
 

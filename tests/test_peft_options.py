@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
-from raylora import checkpoint, cli, config
+from raylora import checkpoint, cli, config, config_checks
 from raylora.arch import detect
 from raylora.data.batches import make_batch, read
 from raylora.data.formats import open_rows
@@ -165,12 +165,12 @@ def _config(model_dir, train, *overrides):
     return config.load(None, [f"model.path={model_dir}", f"data.train={train}", "lora.r=4", *overrides])
 
 
-@pytest.mark.parametrize("init", [*config.REFUSED_LORA_INITS, "pissa_niter_16", "kaiming"])
+@pytest.mark.parametrize("init", [*config_checks.REFUSED_LORA_INITS, "pissa_niter_16", "kaiming"])
 def test_refused_inits_say_why(init, tmp_path):
     with pytest.raises(config.ConfigError, match=r"lora\.init") as err:
         _config(tmp_path, tmp_path / "train.parquet", f"lora.init={init}")
     assert "accepted: true, false, gaussian, orthogonal, pissa, olora" in str(err.value)
-    why = config.REFUSED_LORA_INITS.get("pissa_niter_<n>" if init.startswith("pissa_niter_") else init)
+    why = config_checks.REFUSED_LORA_INITS.get("pissa_niter_<n>" if init.startswith("pissa_niter_") else init)
     assert why is None or why in str(err.value)
 
 

@@ -101,7 +101,8 @@ REFUSED_QUANTIZATION = {
 
 def refuse_quantization(data: dict[str, Any]) -> None:
     """A refused model.quantization, with the reason, before pydantic, which would only list the choices."""
-    quantization = (data.get("model") or {}).get("quantization")
+    model = data.get("model") if isinstance(data, dict) else None
+    quantization = model.get("quantization") if isinstance(model, dict) else None  # else pydantic names it
     if isinstance(quantization, str) and quantization.lower() in REFUSED_QUANTIZATION:
         raise ConfigError(
             f"model.quantization={quantization} cannot be used under ZeRO-3: "

@@ -28,9 +28,12 @@ log = logging.getLogger("raylora")
 PEFT_PREFIX = "base_model.model."  # what PeftModel puts before the base model's parameter names
 
 
-def build_model(cfg: Config, arch: Architecture, ds_config: dict) -> tuple[peft.PeftModel, HfDeepSpeedConfig]:
-    """The base model (ZeRO-3 partitioned) with a fresh LoRA adapter on its language model."""
-    model_dir = hub.resolve(cfg.model.path, cfg.model.revision)
+def build_model(
+    cfg: Config, arch: Architecture, ds_config: dict, model_dir: str | None = None
+) -> tuple[peft.PeftModel, HfDeepSpeedConfig]:
+    """The base model (ZeRO-3 partitioned) with a fresh LoRA adapter on its language model; `model_dir`:
+    model.path as the worker resolved it (default: resolved here)."""
+    model_dir = model_dir or hub.resolve(cfg.model.path, cfg.model.revision)
     four_bit = quantized(cfg, arch, model_dir)  # before ZeRO-3 is on: it builds a model on the meta device
     zero3 = HfDeepSpeedConfig(ds_config)  # must outlive from_pretrained: it is how transformers sees ZeRO-3
     moe.fix_expert_layouts()  # MoE folders in either expert layout load under ZeRO-3 (raylora.moe)

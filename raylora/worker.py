@@ -60,7 +60,7 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | None) -> Setup:
     model_dir = hub.resolve(cfg.model.path, cfg.model.revision)
     arch = for_model(model_dir, cfg.model)
     ds_config = zero.deepspeed_config(cfg, world)
-    model, zero3 = build_model(cfg, arch, ds_config)
+    model, zero3 = build_model(cfg, arch, ds_config, model_dir)
     params = mark_trained(model, arch, cfg)  # PEFT froze the vision tower and aligner: re-enable them
     if restore_from is not None:  # before `deepspeed.initialize`, which builds the fp32 masters from these
         checkpoint.check_compatible(restore_from.state, shapes(params))

@@ -170,7 +170,9 @@ def test_torch_is_the_cuda_build_of_the_image_it_names():
     assert re.search(rf"\btorchvision=={re.escape(vision_pin)}(\s|$)", install), install
     assert f"--index-url https://download.pytorch.org/whl/cu{major}{minor}" in install, install
     # before raylora's own install, which would otherwise take torch from PyPI
-    assert commands.index(install) < commands.index(_one(commands, "pip install -q -e ~/raylora"))
+    assert commands.index(install) < commands.index(
+        _one(commands, 'pip install -q -e "$HOME/raylora[qlora]"')
+    )
     assert image["driver"] >= (580 if major >= 13 else 525)  # CUDA 13 builds need an R580+ driver
     # the toolkit that DeepSpeed's JIT ops and flash-attn's build use is the same CUDA
     assert image["cuda_home"] == f"/usr/local/cuda-{major}.{minor}"

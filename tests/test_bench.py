@@ -18,10 +18,10 @@ import pytest
 from tests.ray_env import RAY_TEST_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
+# restore_collectives and save_collectives run in `make bench` only: their counts, the figures they publish,
+# are asserted by tests/test_collectives.py on the same runs
 RAY_SCRIPTS = [
     "checkpoint_size",
-    "restore_collectives",
-    "save_collectives",
     "throughput",
     "recovery",
     "scale",
@@ -83,8 +83,6 @@ def test_bench_script_runs_tiny(script, smoke):
     for figure in figures:  # every figure keeps its raw samples, and is their median
         assert figure["samples"], figure
         assert figure["median"] == pytest.approx(statistics.median(figure["samples"])), figure
-    if script in ("restore_collectives", "save_collectives"):  # collective counts, not times
-        assert result["goal"]["met"], json.dumps(result["goal"])
     if script == "scale":
         assert (smoke[0] / "scale.png").stat().st_size > 0
     if script == "memory":  # max_length skips the long samples; the peaks are figures, not checked here

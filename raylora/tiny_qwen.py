@@ -68,20 +68,24 @@ def _qwen3_vl(width: int, layers: int, moe: bool = False):
     token, fused into 3-D tensors, with a top-k router (`mlp.gate`)."""
     from transformers import Qwen3VLConfig, Qwen3VLMoeConfig, Qwen3VLProcessor
 
-    vision = dict(
-        depth=layers,
-        hidden_size=width,
-        intermediate_size=2 * width,
-        out_hidden_size=width,
-        num_position_embeddings=(IMAGE_SIZE // PATCH_SIZE) ** 2,
-        deepstack_visual_indexes=list(range(layers)),
-    )
+    vision = _qwen3_vision(width, layers) | dict(deepstack_visual_indexes=list(range(layers)))
     text = dict(head_dim=width // 4)
     if moe:
         text |= dict(decoder_sparse_step=1) | _moe_text(width)
     config, processor = _qwen_vl(Qwen3VLMoeConfig if moe else Qwen3VLConfig, Qwen3VLProcessor, vision, text)
     config.text_config.rope_parameters["mrope_interleaved"] = True
     return config, processor
+
+
+def _qwen3_vision(width: int, layers: int) -> dict:
+    """The vision tower Qwen3-VL and Qwen3.5 share: learned position embeddings, one width throughout."""
+    return dict(
+        depth=layers,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        out_hidden_size=width,
+        num_position_embeddings=(IMAGE_SIZE // PATCH_SIZE) ** 2,
+    )
 
 
 def _qwen3_vl_moe(width: int, layers: int):
@@ -96,13 +100,7 @@ def _qwen3_5(width: int, layers: int, moe: bool = False):
     from transformers import Qwen3_5Config, Qwen3_5MoeConfig, Qwen3VLProcessor
 
     head_dim = width // 2  # Qwen3.5 rotates a quarter of each head: mrope_section adds up to head_dim / 8
-    vision = dict(
-        depth=layers,
-        hidden_size=width,
-        intermediate_size=2 * width,
-        out_hidden_size=width,
-        num_position_embeddings=(IMAGE_SIZE // PATCH_SIZE) ** 2,
-    )
+    vision = _qwen3_vision(width, layers)
     text = dict(
         head_dim=head_dim,
         # the real models alternate 3 linear-attention layers with 1 full-attention layer; 2 layers: one each

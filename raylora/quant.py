@@ -108,9 +108,9 @@ def inference_kwargs(trained: dict, model_dir: str, dtype: torch.dtype, device: 
     from raylora import config
     from raylora.arch import base_on_meta, for_model
 
+    if not (trained.get("model") or {}).get("quantization"):
+        return {}  # without parsing: a checkpoint of an older raylora may hold keys since retired
     run = config.from_dict(trained)
-    if not run.model.quantization:
-        return {}
     require_bitsandbytes()
     model_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=run.model.trust_remote_code)
     skipped = skipped_modules(base_on_meta(model_config), for_model(model_dir, run.model))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 import torch
 
 from raylora.config import ConfigError
+from raylora.data import pipeline
 from raylora.data.pipeline import step_inputs
 
 
@@ -48,6 +50,25 @@ def dying(step: int) -> dict:
 def test_a_worker_that_dies_raises_instead_of_hanging():
     with pytest.raises(RuntimeError, match="DataLoader worker"):
         list(step_inputs(dying, range(6), workers=1))
+
+
+def stuck(step: int) -> dict:
+    if step == 1:
+        threading.Event().wait()  # a decoder that never returns
+    return build(step)
+
+
+def test_a_stuck_worker_raises_and_prints_where_it_is_stuck(monkeypatch, capfd):
+    """A worker that produces nothing for WORKER_TIMEOUT_S: the training process raises, and the worker's
+    stacks, down to the line it waits in, are in its stderr (a Ray worker's log)."""
+    monkeypatch.setattr(pipeline, "WORKER_TIMEOUT_S", 3)
+    got = []
+    with pytest.raises(RuntimeError, match="input pipeline: no batch for 3 s"):
+        for item in step_inputs(stuck, range(4), workers=1):
+            got.append(item["step"])
+    assert got == [0]
+    err = capfd.readouterr().err
+    assert "Current thread" in err and "in stuck" in err, err[-2000:]
 
 
 class _Trainer:

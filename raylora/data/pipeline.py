@@ -19,11 +19,13 @@ open until torch's own check notices, and Ray would see the crash, and restart, 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import functools
 import multiprocessing
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -51,10 +53,12 @@ def _as_is(item):
 
 
 PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+STACKS_SIGNAL = signal.SIGUSR1
 
 
-def _die_with_parent(parent: int, _worker_id: int) -> None:
-    """A loader worker's first act: ask Linux to kill it when the training process dies.
+def _worker_init(parent: int, _worker_id: int) -> None:
+    """A loader worker's first act: be ready to print its stacks, and ask Linux to kill it when the
+    training process dies.
 
     A forked worker inherits the training process's connection to Ray's raylet, and Ray sees a worker
     die only when that connection closes: while the child lives, a crashed training process looks alive.
@@ -62,6 +66,9 @@ def _die_with_parent(parent: int, _worker_id: int) -> None:
     signal when the thread that forked the worker ends: the training function's thread, which iterates
     the loader to its end. prctl has no Python binding in the standard library, hence ctypes.
     """
+    # a worker that stops producing prints its threads' Python stacks to its stderr when the training
+    # process gives up on it (`_report_stuck`), so a hang names the line it hangs in
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     if sys.platform != "linux":
         return
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -83,7 +90,7 @@ def step_inputs(build: Callable[[int], T], steps: range, workers: int, ahead: in
         collate_fn=_as_is,
         multiprocessing_context=multiprocessing.get_context("fork"),
         timeout=WORKER_TIMEOUT_S,
-        worker_init_fn=functools.partial(_die_with_parent, os.getpid()),
+        worker_init_fn=functools.partial(_worker_init, os.getpid()),
         # on a GPU node, the batches arrive in page-locked memory (the loader's thread in this process
         # pins them, through the item's own `pin_memory`), so their copies to the GPU are asynchronous
         pin_memory=torch.cuda.is_available(),
@@ -105,6 +112,14 @@ def _closing(batches) -> Iterator:
         if not dead:
             raise
         raise RuntimeError(f"input pipeline: DataLoader worker {dead} exited unexpectedly") from err
+    except RuntimeError as err:
+        if "timed out" not in str(err):
+            raise
+        _report_stuck(batches)
+        raise RuntimeError(
+            f"input pipeline: no batch for {WORKER_TIMEOUT_S} s; the workers' stacks are in their stderr "
+            "(the worker's log on a Ray node)"
+        ) from err
     finally:
         # The worker processes are stopped here, when an error leaves the loader, and not by the
         # iterator's __del__: the error's traceback holds the iterator in a reference cycle, so __del__
@@ -112,6 +127,14 @@ def _closing(batches) -> Iterator:
         # shutdown from there was seen to block forever on one of its queue locks (a test hung).
         # torch has no public close for a loader's iterator; a second call does nothing.
         batches._shutdown_workers()
+
+
+def _report_stuck(batches) -> None:
+    """Ask each live loader worker to print its threads' stacks, and give them a moment to."""
+    for w in batches._workers:  # torch's list of the iterator's processes (no public accessor)
+        if w.exitcode is None:
+            os.kill(w.pid, STACKS_SIGNAL)
+    time.sleep(1.0)
 
 
 def _dead_workers(batches) -> str:

@@ -160,6 +160,11 @@ def _frames(data: bytes, wanted: set[int] | None, count_only: bool = False):
         if not container.streams.video:
             raise Unusable("the file has no video stream")
         stream = container.streams.video[0]
+        if _in_loader_worker():
+            # one decoding thread in an input-pipeline process: the processes are the parallelism, and
+            # FFmpeg's own pool (a thread per core by default) in each forked process oversubscribes the
+            # node's cores and is where PyAV's maintainers place decodes that hang beside torch's workers
+            stream.thread_count = 1
         rate = stream.average_rate or stream.guessed_rate
         fps = float(rate) if rate else DEFAULT_FPS
         if wanted is None:
@@ -169,6 +174,12 @@ def _frames(data: bytes, wanted: set[int] | None, count_only: bool = False):
             if not count_only and n - 1 in wanted:
                 kept[n - 1] = picture.to_ndarray(format="rgb24")
         return n, fps, kept
+
+
+def _in_loader_worker() -> bool:
+    import torch.utils.data
+
+    return torch.utils.data.get_worker_info() is not None
 
 
 def from_frames(images: list[Image.Image], sampling: Sampling) -> Video:

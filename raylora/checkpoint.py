@@ -193,14 +193,6 @@ def versions() -> dict[str, str]:
     }
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def is_adapter(name: str) -> bool:
     """Whether a parameter is PEFT's (LoRA, DoRA magnitude, modules_to_save copy): saved in the adapter."""
     return ".lora_" in name or ".modules_to_save." in name
@@ -256,10 +248,12 @@ class Writer:
         adapter_config.save_pretrained(str(folder))
         (folder / STATE).write_text(json.dumps(state.to_dict(), indent=1, sort_keys=True))
         files = [ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINED_MODULES, OPTIMIZER, STATE]
+        fs, path = _on(folder, None)
         manifest = {
             "format": FORMAT_VERSION,
             "files": {
-                f: {"bytes": os.path.getsize(folder / f), "sha256": _sha256(folder / f)} for f in files
+                f: {"bytes": os.path.getsize(folder / f), "sha256": _sha256_on(fs, posixpath.join(path, f))}
+                for f in files
             },
         }
         tmp = folder / (MANIFEST + ".tmp")

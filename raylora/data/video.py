@@ -160,11 +160,12 @@ def _frames(data: bytes, wanted: set[int] | None, count_only: bool = False):
         if not container.streams.video:
             raise Unusable("the file has no video stream")
         stream = container.streams.video[0]
-        if _in_loader_worker():
-            # one decoding thread in an input-pipeline process: the processes are the parallelism, and
-            # FFmpeg's own pool (a thread per core by default) in each forked process oversubscribes the
-            # node's cores and is where PyAV's maintainers place decodes that hang beside torch's workers
-            stream.thread_count = 1
+        # In an input-pipeline process FFmpeg starts no threads of its own, to decode or to convert: the
+        # processes are the parallelism, a pool per forked process (a thread per core by default)
+        # oversubscribes the node, and a forked worker was seen to hang in the conversion's pool (CI).
+        # Elsewhere 0: FFmpeg's automatic count.
+        threads = 1 if _in_loader_worker() else 0
+        stream.thread_count = threads
         rate = stream.average_rate or stream.guessed_rate
         fps = float(rate) if rate else DEFAULT_FPS
         if wanted is None:
@@ -172,7 +173,7 @@ def _frames(data: bytes, wanted: set[int] | None, count_only: bool = False):
         kept, n = {}, 0
         for n, picture in enumerate(container.decode(stream), start=1):
             if not count_only and n - 1 in wanted:
-                kept[n - 1] = picture.to_ndarray(format="rgb24")
+                kept[n - 1] = picture.to_ndarray(format="rgb24", threads=threads)
         return n, fps, kept
 
 

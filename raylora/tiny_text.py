@@ -70,11 +70,14 @@ GLM4V_CHAT_TEMPLATE = (
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-GEMMA4_CHAT_TEMPLATE = (  # Gemma 4: <|turn>role ... <turn|>, 'model' for the assistant; <|image|> per image
+# Gemma 4: <|turn>role ... <turn|>, 'model' for the assistant; one <|image|> per image and one <|video|> per
+# video (the processor expands each), as google/gemma-4's template writes its parts
+GEMMA4_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
     "{{ '<|turn>' + role + '\\n' }}"
-    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<|image|>{% else %}"
+    "{% for c in message['content'] %}{% if c['type'] == 'image' %}<|image|>"
+    "{% elif c['type'] == 'video' %}<|video|>{% else %}"
     "{{ c['text'] | trim }}{% endif %}{% endfor %}{{ '<turn|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}"
 )

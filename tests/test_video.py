@@ -206,6 +206,28 @@ def test_llamafactory_video_demo_trains_on_the_answers_only(arch, clips, tiny_mo
             assert text.count("<|vision_start|>") == 3  # the template's, then one per temporal patch
 
 
+@pytest.mark.parametrize("arch", ["glm4v", "gemma4"])
+def test_glm_and_gemma4_train_on_video_rows(arch, clips):
+    """Beyond Qwen: GLM-4.1V writes a video as numbered frames of image tokens, Gemma 4 as its own
+    <|video|> soft tokens (each family's template and processor). LLaMA-Factory's video demo renders with
+    its frames in the prompt, unlabelled, the answer labelled, and a batch of its rows trains the vision
+    tower through the video path."""
+    model, processor = _model(arch)
+    rows = open_rows(f"{clips / 'dataset_info.json'}#mllm_video_demo")
+    encoded = [encode(processor, read(rows, i)) for i in range(3)]
+    vision_token = {"glm4v": processor.image_token_id, "gemma4": processor.video_token_id}[arch]
+    for row in encoded:
+        assert "pixel_values_videos" in row.vision
+        ids, labels = torch.tensor(row.tokens["input_ids"]), torch.tensor(row.labels)
+        assert int((ids == vision_token).sum()) > 0 and (labels[ids == vision_token] == IGNORE_INDEX).all()
+        assert len(_answers(processor, row)) == 1
+    vision = model.model.visual if arch == "glm4v" else model.model.vision_tower
+    batch = _collate(processor, encoded, with_answers=True)
+    loss, _ = _loss_and_grads(model, batch)
+    assert torch.isfinite(loss) and float(loss) > 0
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in vision.parameters())
+
+
 def _rows(tmp_path: Path, records: list[dict]) -> str:
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -466,7 +488,7 @@ def _vision_passes(batch: dict) -> tuple[bool, bool]:
     return video.has_image(batch), video.has_video(batch)
 
 
-@pytest.mark.parametrize("arch", QWEN)
+@pytest.mark.parametrize("arch", (*QWEN, "glm4v", "gemma4", "qwen3_5"))
 def test_every_pass_runs_an_image_and_a_video_whatever_its_rows(arch, clips, tiny_models):
     """Qwen-VL runs its vision tower once for a batch's images and once more for its videos: under ZeRO-3
     every rank's pass must run both, whatever mix of image, video and text rows it holds (the stand-in

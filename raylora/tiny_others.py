@@ -176,11 +176,10 @@ def _internvl(width: int, layers: int, text_model: str = "qwen2"):
         GotOcr2ImageProcessorPil,
         InternVLConfig,
         InternVLProcessor,
+        InternVLVideoProcessor,
         Qwen2Config,
         Qwen3Config,
     )
-
-    from raylora.data.processor import image_only_processor_class
 
     tokenizer = build_tokenizer(named_tokens=INTERNVL_TOKENS)
     tokens_per_image = (IMAGE_SIZE // PATCH_SIZE // 2) ** 2  # downsample_ratio 0.5: 4x4 patches -> 2x2
@@ -199,9 +198,10 @@ def _internvl(width: int, layers: int, text_model: str = "qwen2"):
     image_processor = GotOcr2ImageProcessorPil(
         size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}, crop_to_patches=False, max_patches=1
     )
-    processor = image_only_processor_class(InternVLProcessor)(
+    processor = InternVLProcessor(
         image_processor=image_processor,
         tokenizer=tokenizer,
+        video_processor=InternVLVideoProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
         image_seq_length=tokens_per_image,
         chat_template=INTERNVL_CHAT_TEMPLATE,
     )

@@ -57,6 +57,7 @@ GEMMA3_CHAT_TEMPLATE = (  # the processor expands <start_of_image> into the imag
 INTERNVL_CHAT_TEMPLATE = (  # InternVL3 (-hf): Qwen2's turns, the image as <IMG_CONTEXT> on its own line
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% for c in message['content'] %}{% if c['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% elif c['type'] == 'video' %}<video>\n"
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -206,23 +206,26 @@ def test_llamafactory_video_demo_trains_on_the_answers_only(arch, clips, tiny_mo
             assert text.count("<|vision_start|>") == 3  # the template's, then one per temporal patch
 
 
-@pytest.mark.parametrize("arch", ["glm4v", "gemma4"])
-def test_glm_and_gemma4_train_on_video_rows(arch, clips):
-    """Beyond Qwen: GLM-4.1V writes a video as numbered frames of image tokens, Gemma 4 as its own
-    <|video|> soft tokens (each family's template and processor). LLaMA-Factory's video demo renders with
-    its frames in the prompt, unlabelled, the answer labelled, and a batch of its rows trains the vision
-    tower through the video path."""
+@pytest.mark.parametrize("arch", ["glm4v", "gemma4", "internvl"])
+def test_glm_gemma4_and_internvl_train_on_video_rows(arch, clips):
+    """Beyond Qwen: GLM-4.1V writes a video as frames of image tokens with their timestamps, Gemma 4 as
+    its own <|video|> soft tokens, InternVL3.5 as numbered frames, each an image (each family's template
+    and processor). LLaMA-Factory's video demo renders with its frames in the prompt, unlabelled, the
+    answer labelled, and a batch of its rows trains the vision tower."""
     model, processor = _model(arch)
     rows = open_rows(f"{clips / 'dataset_info.json'}#mllm_video_demo")
     encoded = [encode(processor, read(rows, i)) for i in range(3)]
-    vision_token = {"glm4v": processor.image_token_id, "gemma4": processor.video_token_id}[arch]
+    vision_token = processor.video_token_id if arch == "gemma4" else processor.image_token_id
+    frames = "pixel_values" if arch == "internvl" else "pixel_values_videos"  # InternVL: frames as images
     for row in encoded:
-        assert "pixel_values_videos" in row.vision
+        assert len(row.vision[frames]) > 0
         ids, labels = torch.tensor(row.tokens["input_ids"]), torch.tensor(row.labels)
         assert int((ids == vision_token).sum()) > 0 and (labels[ids == vision_token] == IGNORE_INDEX).all()
         assert len(_answers(processor, row)) == 1
     vision = model.model.visual if arch == "glm4v" else model.model.vision_tower
     batch = _collate(processor, encoded, with_answers=True)
+    if arch == "internvl":
+        assert len(batch["pixel_values"]) == 3 * 4  # every sampled frame of the 3 clips, each an image
     loss, _ = _loss_and_grads(model, batch)
     assert torch.isfinite(loss) and float(loss) > 0
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in vision.parameters())

@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-fast gpu-check gpu-bench gpu-session lint format bench docs
+.PHONY: install demo test test-fast bench-smoke gpu-check gpu-bench gpu-session lint format bench docs
 
 install: $(VENV)/.installed
 
@@ -18,7 +18,12 @@ demo: install
 	$(VENV)/bin/raylora demo
 
 test: install
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 -m "not bench"
+
+# Every benchmark script at its --tiny size (tests/test_bench.py, about 5 minutes on 2 cores): a check that
+# each works end to end, run before `make bench` and after changing bench/.
+bench-smoke: install
+	$(PY) -m pytest -q -m bench tests/test_bench.py
 
 # The GPU path on CUDA devices (NCCL, bf16, a kill and a resume): one line per check; skipped without CUDA.
 gpu-check: install

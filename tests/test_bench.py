@@ -1,7 +1,10 @@
 """Every benchmark script runs at its --tiny size and writes its JSON (a smoke test, not a timing).
 
 The figures themselves come from `make bench`; here only that each script works end to end, records the
-machine and the command, and keeps its raw samples.
+machine and the command, and keeps its raw samples. The tiny runs (marked `bench`, about 5 minutes on 2
+cores) run with `make bench-smoke`, not in `make test`, which keeps CI within its time: there every script
+is imported (a renamed import or option fails there) and `on_paper.py`, arithmetic whose figures the docs
+quote, runs whole.
 """
 
 from __future__ import annotations
@@ -31,13 +34,11 @@ RAY_SCRIPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    """bench/smoke.py: every script at its --tiny size in one process on one Ray (shared assets)."""
+def _smoke(tmp_path_factory, scripts: list[str]):
+    """bench/smoke.py: `scripts` at their --tiny size in one process on one Ray (shared assets)."""
     out, work = tmp_path_factory.mktemp("bench-results"), tmp_path_factory.mktemp("bench-work")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "smoke.py"), "--out", str(out), "--work", str(work)]
-        + ["on_paper", "padding", "gpu_throughput", *RAY_SCRIPTS],
+        [sys.executable, str(ROOT / "bench" / "smoke.py"), "--out", str(out), "--work", str(work), *scripts],
         cwd=ROOT,
         env={**os.environ, **RAY_TEST_ENV},
         capture_output=True,
@@ -46,6 +47,32 @@ def smoke(tmp_path_factory):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out, json.loads((out / "smoke.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    return _smoke(tmp_path_factory, ["padding", "gpu_throughput", *RAY_SCRIPTS])
+
+
+@pytest.fixture(scope="module")
+def on_paper(tmp_path_factory):
+    return _smoke(tmp_path_factory, ["on_paper"])
+
+
+def test_every_bench_script_imports():
+    """Each script's imports resolve (in a process of its own: bench/common sets Ray's environment)."""
+    scripts = sorted(p.stem for p in (ROOT / "bench").glob("*.py"))
+    code = "import importlib, sys; [importlib.import_module(name) for name in sys.argv[1:]]"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *scripts],
+        cwd=ROOT / "bench",
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(scripts) >= 15
 
 
 def _result(smoke, script: str, written: str | None = None) -> dict:
@@ -72,6 +99,7 @@ def _figures(node):
             yield from _figures(value)
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("script", RAY_SCRIPTS)
@@ -93,6 +121,7 @@ def test_bench_script_runs_tiny(script, smoke):
         assert set(result["ratios"]["raylora"]) == {"memory_640_over_64", "startup_640_over_64"}
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_throughput_pairs_flip_their_order(smoke):
@@ -118,8 +147,8 @@ def test_throughput_pairs_flip_their_order(smoke):
 
 
 @pytest.mark.slow
-def test_on_paper_runs_tiny(smoke):
-    result = _result(smoke, "on_paper")
+def test_on_paper_runs_tiny(on_paper):
+    result = _result(on_paper, "on_paper")
     frozen, trained, moe = result["models"]
     assert frozen["lora_params"] == 39_976_960  # llava-1.5-7b, r=16 on q,k,v,o,gate,up,down of 32 layers
     assert trained["trainable_params"] > frozen["trainable_params"]
@@ -143,6 +172,7 @@ def test_on_paper_runs_tiny(smoke):
     assert not scenarios["gradient_checkpointing off"]["fits"]["80 GB"]
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_gpu_throughput_runs_tiny(smoke):
     """bench/gpu_throughput.py --tiny, on the CPU: raylora's step padded and packed and the HF Trainer's
@@ -157,6 +187,7 @@ def test_gpu_throughput_runs_tiny(smoke):
     assert set(result["ratios"]) == {"raylora_padded_over_hf_trainer", "raylora_packed_over_hf_trainer"}
 
 
+@pytest.mark.bench
 @pytest.mark.slow
 def test_padding_runs_tiny(smoke):
     """bench/padding.py: the 7B configs' padding on paper (sorting, grouping by length and packing each

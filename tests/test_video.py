@@ -658,30 +658,52 @@ def test_a_model_without_a_video_path_refuses_a_video_row(clips, tiny_models):
 # ---- part 4: decoding off the training loop ---------------------------------------------------------
 
 
-def test_frames_are_decoded_in_the_input_pipelines_process(clips, monkeypatch):
+# What a Train worker does with data.workers >= 1, in a process of its own: it starts the pipeline before it
+# decodes anything itself. The pytest process is no such parent: it has decoded many videos with FFmpeg's
+# thread pools by this test, and a worker forked from it hung in FFmpeg's conversion (dev/LOG.md).
+PIPELINE_DECODES = """
+import json, os, sys
+import torch
+from raylora.data import video
+from raylora.data.batches import read
+from raylora.data.formats import open_rows
+from raylora.data.pipeline import step_inputs
+
+rows = open_rows(sys.argv[1])
+decoded_in, real = [], video.decode
+
+def decode(data, sampling):
+    decoded_in.append(os.getpid())  # the forked worker's own copy of this list
+    return real(data, sampling)
+
+video.decode = decode
+
+def build(step):
+    frames = read(rows, step)[2][0].frames
+    return {"pid": torch.tensor(decoded_in[-1]), "frames": torch.from_numpy(frames)}
+
+built = list(step_inputs(build, range(3), workers=1))
+print(json.dumps({"shapes": [list(b["frames"].shape) for b in built], "pids": [int(b["pid"]) for b in built],
+                  "here": os.getpid(), "decoded_here": decoded_in}))
+"""
+
+
+def test_frames_are_decoded_in_the_input_pipelines_process(clips):
     """With data.workers >= 1 a step's rows are read in the pipeline's forked process (`step_inputs`), so
     the frames are decoded there, beside training, not in the training loop."""
-    import os
+    import subprocess
+    import sys
 
-    from raylora.data.pipeline import step_inputs
-
-    rows = open_rows(str(clips / "mllm_video_demo.json"))
-    decoded_in = []
-    real = video.decode
-
-    def decode(data, sampling):
-        decoded_in.append(os.getpid())  # the forked worker's own copy of this list
-        return real(data, sampling)
-
-    monkeypatch.setattr(video, "decode", decode)
-
-    def build(step: int):
-        frames = read(rows, step)[2][0].frames
-        return {"pid": torch.tensor(decoded_in[-1]), "frames": torch.from_numpy(frames)}
-
-    built = list(step_inputs(build, range(3), workers=1))
-    assert [tuple(b["frames"].shape) for b in built] == [(4, EDGE, EDGE, 3)] * 3
-    assert {int(b["pid"]) for b in built} != {os.getpid()} and decoded_in == []
+    proc = subprocess.run(
+        [sys.executable, "-c", PIPELINE_DECODES, str(clips / "mllm_video_demo.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["shapes"] == [[4, EDGE, EDGE, 3]] * 3
+    assert got["here"] not in got["pids"] and got["decoded_here"] == []
 
 
 # ---- part 6: evaluation -----------------------------------------------------------------------------

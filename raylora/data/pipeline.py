@@ -9,7 +9,9 @@ process group.
 
 The workers are forked: a forked worker shares the processor, the data reader and its caches with the
 training process instead of pickling them, and builds batches on the CPU only (it never touches CUDA,
-which a forked child must not). An exception in a worker is re-raised in the training process by
+which a forked child must not). They are forked before the training process decodes any video itself
+(evaluation decodes there later): a worker forked from a process that had run FFmpeg's thread pools was
+seen to hang inside FFmpeg (dev/LOG.md). An exception in a worker is re-raised in the training process by
 the DataLoader with its original type (a bad row with `data.on_bad_row: error` stays a permanent
 error); a worker that dies (killed, out of memory) raises instead of leaving the step waiting. A worker
 dies with the training process (Linux): otherwise it would hold the dead process's connection to Ray

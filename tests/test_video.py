@@ -659,8 +659,8 @@ def test_a_model_without_a_video_path_refuses_a_video_row(clips, tiny_models):
 
 
 # What a Train worker does with data.workers >= 1, in a process of its own: it starts the pipeline before it
-# decodes anything itself. The pytest process is no such parent: it has decoded many videos with FFmpeg's
-# thread pools by this test, and a worker forked from it hung in FFmpeg's conversion (dev/LOG.md).
+# decodes anything itself. The pytest process is no such parent: by this test it has run FFmpeg's thread
+# pools (libx264 writes the clips with its own), and a worker forked from it hung in FFmpeg (dev/LOG.md).
 PIPELINE_DECODES = """
 import json, os, sys
 import torch

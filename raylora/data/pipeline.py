@@ -9,13 +9,15 @@ process group.
 
 The workers are forked: a forked worker shares the processor, the data reader and its caches with the
 training process instead of pickling them, and builds batches on the CPU only (it never touches CUDA,
-which a forked child must not). They are forked before the training process decodes any video itself
-(evaluation decodes there later): a worker forked from a process that had run FFmpeg's thread pools was
-seen to hang inside FFmpeg (dev/LOG.md). An exception in a worker is re-raised in the training process by
-the DataLoader with its original type (a bad row with `data.on_bad_row: error` stays a permanent
-error); a worker that dies (killed, out of memory) raises instead of leaving the step waiting. A worker
-dies with the training process (Linux): otherwise it would hold the dead process's connection to Ray
-open until torch's own check notices, and Ray would see the crash, and restart, ~5 s late.
+which a forked child must not). raylora runs FFmpeg without threads of its own (`raylora.data.video`):
+a worker forked from a process that had run FFmpeg's thread pools was seen to hang inside FFmpeg.
+
+An exception in a worker is re-raised in the training process by the DataLoader with its original type
+(a bad row with `data.on_bad_row: error` stays a permanent error); a worker that dies (killed, out of
+memory) raises instead of leaving the step waiting, and one that produces nothing for WORKER_TIMEOUT_S
+prints its stacks and raises. A worker dies with the training process (Linux): otherwise it would hold
+the dead process's connection to Ray open until torch's own check notices, and Ray would see the crash,
+and restart, ~5 s late.
 """
 
 from __future__ import annotations

@@ -160,11 +160,11 @@ def _frames(data: bytes, wanted: set[int] | None, count_only: bool = False):
         if not container.streams.video:
             raise Unusable("the file has no video stream")
         stream = container.streams.video[0]
-        # In an input-pipeline process FFmpeg starts no threads of its own, to decode or to convert: the
-        # processes are the parallelism, a pool per forked process (a thread per core by default)
-        # oversubscribes the node, and a forked worker was seen to hang in the conversion's pool (CI).
-        # Elsewhere 0: FFmpeg's automatic count.
-        threads = 1 if _in_loader_worker() else 0
+        # FFmpeg starts no threads of its own, to decode or to convert. Decoding runs in the input
+        # pipeline's processes (their number is the parallelism), forked from the training process, and a
+        # process forked from one that had run FFmpeg's thread pools was seen to hang inside FFmpeg
+        # (dev/LOG.md); a thread per core in each process would also oversubscribe the node.
+        threads = 1
         stream.thread_count = threads
         rate = stream.average_rate or stream.guessed_rate
         fps = float(rate) if rate else DEFAULT_FPS
@@ -175,12 +175,6 @@ def _frames(data: bytes, wanted: set[int] | None, count_only: bool = False):
             if not count_only and n - 1 in wanted:
                 kept[n - 1] = picture.to_ndarray(format="rgb24", threads=threads)
         return n, fps, kept
-
-
-def _in_loader_worker() -> bool:
-    import torch.utils.data
-
-    return torch.utils.data.get_worker_info() is not None
 
 
 def from_frames(images: list[Image.Image], sampling: Sampling) -> Video:

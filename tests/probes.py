@@ -158,13 +158,16 @@ def train_and_save(cfg, steps: int, out: str | Path, keep: bool = False) -> list
     return [*metrics, s] if keep else metrics
 
 
-def resume_probe(cfg, steps: int, folder: str | Path) -> dict:
+def resume_probe(cfg, steps: int, folder: str | Path, keep: str | Path | None = None) -> dict:
     """On each Ray Train worker: train `steps` steps, save the checkpoint to `folder` (rank 0 moves it
     there), train one step more; then build a fresh engine restored from `folder`, read back what it holds
     (`restored`: as `restore_probe` returns it), and train that step again. Rank 0 returns each step's
     metrics and whether the resumed step's loss, fp32 masters and Adam moments equal the uninterrupted
-    ones bit for bit (what a killed and restarted worker resumes from)."""
+    ones bit for bit (what a killed and restarted worker resumes from). Given `keep`, the uninterrupted run
+    trains one step further first (its metrics: `after`), and rank 0 writes its masters and moments there
+    (safetensors, keys `weight.<name>` and `moment.<name>.<kind>`), for a real killed run to compare with."""
     import torch
+    from safetensors.torch import save_file
 
     from raylora import zero
     from raylora.worker import setup, train_step
@@ -173,6 +176,12 @@ def resume_probe(cfg, steps: int, folder: str | Path) -> dict:
     s = metrics.pop()
     straight = train_step(s)
     uninterrupted = zero.gather_trainable_state(s.engine, s.params)  # on rank 0, None elsewhere
+    if keep is not None:
+        after = train_step(s)
+        state = zero.gather_trainable_state(s.engine, s.params)
+        if s.rank == 0:
+            kept = {f"weight.{n}": v for n, v in state[0].items()}
+            save_file(kept | {f"moment.{n}": v for n, v in state[1].items()}, str(keep))
     s.engine.destroy()
     del s
     loaded = whole_checkpoint.load(folder)
@@ -185,6 +194,7 @@ def resume_probe(cfg, steps: int, folder: str | Path) -> dict:
     (masters, moments), (got_masters, got_moments) = uninterrupted, again
     return {
         "metrics": [*metrics, straight],
+        "after": after if keep is not None else None,
         "restored": restored,
         "resumed": resumed,
         "masters_equal": masters.keys() == got_masters.keys()
@@ -230,7 +240,10 @@ def _restored(s, loaded, examples: list | None = None) -> dict:
         "logits": logits,
         "step": s.step,
         "lr": s.scheduler.get_last_lr()[0],
-        "params_equal": all(torch.equal(model_values[n], loaded.weights[n]) for n in loaded.weights),
+        # the model holds the masters in its own dtype (bf16 under train.precision=bf16)
+        "params_equal": all(
+            torch.equal(model_values[n], loaded.weights[n].to(s.params[n].dtype).float()) for n in loaded.weights
+        ),
         "masters_equal": all(torch.equal(masters[n], loaded.weights[n]) for n in loaded.weights),
         "moments_equal": all(torch.equal(moments[n], loaded.moments[n]) for n in loaded.moments),
         "moments_nonzero": any(bool(t.abs().sum() > 0) for t in loaded.moments.values()),

@@ -159,21 +159,32 @@ def round_trips(ray_cluster, probes, tiny_models, digits, tmp_path_factory):
     workers (a worker group's start is most of a tiny run's time). A real kill and restart goes through
     the same restore (tests/test_resume.py, tests/test_faults.py)."""
     storage = tmp_path_factory.mktemp("round-trips")
+    runs = [
+        (arch, four_steps(tiny_models(arch), digits[0], storage, f"two-steps-{arch}", arch), storage / arch)
+        for arch in NEWER_ARCHS
+    ]
+    done = probes(
+        lambda: {arch: resume_probe(cfg, 2, f"{folder}-checkpoint", f"{folder}.safetensors") for arch, cfg, folder in runs}
+    )
+    return {arch: (done[arch], f"{folder}-checkpoint", f"{folder}.safetensors") for arch, _, folder in runs}
 
-    def config(arch: str):
-        extra = ("train.max_steps=3", "train.checkpoint_every=2", *MOE.get(arch, ()))
-        return tiny_run_config(tiny_models(arch), digits[0], storage, f"two-steps-{arch}", *extra)
 
-    runs = [(arch, config(arch), storage / f"checkpoint-{arch}") for arch in NEWER_ARCHS]
-    done = probes(lambda: {arch: resume_probe(cfg, 2, folder) for arch, cfg, folder in runs})
-    return {arch: (done[arch], folder) for arch, _, folder in runs}
+# Qwen3-VL trains in bf16 here (its merger inside the vision tower, as Qwen2-VL's): the restore and the
+# killed run below show bf16's fp32 masters surviving both.
+BF16 = {"qwen3_vl": ("train.precision=bf16",)}
+
+
+def four_steps(model_dir, data, storage, name: str, arch: str, *overrides: str):
+    """The round trips' run: 4 steps, a checkpoint at step 2 (the round trip trains 3, 4 with `keep`)."""
+    extra = ("train.max_steps=4", "train.checkpoint_every=2", *MOE.get(arch, ()), *BF16.get(arch, ()))
+    return tiny_run_config(model_dir, data, storage, name, *extra, *overrides)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", NEWER_ARCHS)
 def test_zero3_two_steps_then_restore_equals_checkpoint_and_resumes_bitwise(arch, round_trips):
-    resumed, folder = round_trips[arch]
+    resumed, folder, _ = round_trips[arch]
     probe = resumed["restored"]  # the restored engine before its first step
     metrics = resumed["metrics"]
     assert [m["step"] for m in metrics] == [1, 2, 3] and all(math.isfinite(m["loss"]) for m in metrics)
@@ -194,3 +205,75 @@ def test_zero3_two_steps_then_restore_equals_checkpoint_and_resumes_bitwise(arch
     assert probe["params_equal"], "model parameters differ from the checkpoint after restore"
     assert probe["masters_equal"], "fp32 masters differ from the checkpoint: a step would undo the load"
     assert probe["moments_equal"]
+
+
+# The families people fine-tune now also go through a real kill: Ray Train restarts the worker group after
+# rank 1 dies, and the new workers resume from step 2's checkpoint. The round trips above are the
+# uninterrupted reference, computed by the same `worker.setup` and `train_step`.
+KILLED_ARCHS = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "glm46v", "gemma4", "internvl"]
+
+
+@pytest.fixture(scope="module")
+def killed_runs(ray_cluster, tiny_models, digits, tmp_path_factory):
+    """`killed_runs(arch)`: the round trips' run on Ray Train, rank 1 killed after step 3 once Ray has
+    step 2's checkpoint; the new workers train steps 3 and 4. Once per module and architecture."""
+    from raylora.driver import run
+
+    done = {}
+
+    def get(arch: str):
+        if arch not in done:
+            storage = tmp_path_factory.mktemp(f"killed-{arch}")
+            result = run(four_steps(tiny_models(arch), digits[0], storage, "killed", arch, "fault.kill_at_steps=3"))
+            assert result.error is None
+            done[arch] = (result, storage)
+        return done[arch]
+
+    return get
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", KILLED_ARCHS)
+def test_zero3_run_killed_after_its_checkpoint_resumes_bitwise(arch, round_trips, killed_runs):
+    from safetensors.torch import load_file
+
+    from raylora.progress import read_metrics
+    from tests.run_logs import final_checkpoint
+
+    uninterrupted, _, kept = round_trips[arch]
+    reference = load_file(kept)
+    killed, storage = killed_runs(arch)
+    rows = read_metrics(str(storage), "killed")
+    # step 3's first row died with the workers, before its report
+    assert [(r["step"], r["restarts"]) for r in rows] == [(1, 0), (2, 0), (3, 1), (4, 1)]
+    # both attempts trained as the uninterrupted run did, bit for bit
+    assert [r["loss"] for r in rows] == [m["loss"] for m in (*uninterrupted["metrics"], uninterrupted["after"])]
+    final = final_checkpoint(killed)
+    assert final.state.step == 4 and final.state.restarts == 1
+    assert {f"weight.{n}" for n in final.weights} | {f"moment.{n}" for n in final.moments} == reference.keys()
+    for name, value in final.weights.items():
+        assert torch.equal(value, reference[f"weight.{name}"]), f"{name} differs after the resume"
+    for name, value in final.moments.items():
+        assert torch.equal(value, reference[f"moment.{name}"]), f"{name} differs after the resume"
+    assert {REGISTRY[arch].part_of(n) for n in final.weights} == set(PARTS)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bf16_checkpoint_holds_fp32_masters_beyond_bf16(killed_runs):
+    """The killed bf16 run's final checkpoint (Qwen3-VL, vision tower and aligner trained) holds fp32
+    masters and moments, not bf16 values cast up."""
+    from tests.run_logs import final_checkpoint
+
+    final = final_checkpoint(killed_runs("qwen3_vl")[0])
+    assert final.state.config["train"]["precision"] == "bf16"
+    assert any(".lora_" not in n and ".merger." in n for n in final.weights), "the aligner should be trained"
+    assert all(t.dtype == torch.float32 for t in final.weights.values())
+    assert all(t.dtype == torch.float32 for t in final.moments.values())
+    # masters that were only bf16 values cast up would equal their bf16 rounding everywhere; every
+    # parameter that received gradients must not
+    updated = [n for n in final.weights if final.moments[f"{n}.exp_avg_sq"].abs().sum() > 0]
+    assert len(updated) > len(final.weights) // 2
+    bf16_only = [n for n in updated if torch.equal(final.weights[n], final.weights[n].bfloat16().float())]
+    assert not bf16_only, f"masters with bf16 precision only: {bf16_only}"

@@ -30,8 +30,8 @@ VISION_LR = "train.vision_lr=5e-4"  # the vision tower and aligner on a schedule
 
 
 # One architecture here: Qwen2-VL (its aligner inside the vision tower, prefixes that overlap) is killed
-# and resumed bit for bit in fp32 in tests/test_batches.py and in bf16 in tests/test_bf16.py, and every
-# other architecture restores exactly in tests/test_architectures.py.
+# and resumed bit for bit in tests/test_batches.py, the families from Qwen3-VL on (Qwen3-VL in bf16) in
+# tests/test_architectures.py, where every other architecture restores exactly too.
 @pytest.fixture(scope="module", params=["llava"])
 def runs(request, ray_cluster, straight_runs, tiny_models, digits, tmp_path_factory):
     """The uninterrupted run is the session's; the killed one is this module's: rank 1 dies before step

@@ -242,7 +242,8 @@ def _restored(s, loaded, examples: list | None = None) -> dict:
         "lr": s.scheduler.get_last_lr()[0],
         # the model holds the masters in its own dtype (bf16 under train.precision=bf16)
         "params_equal": all(
-            torch.equal(model_values[n], loaded.weights[n].to(s.params[n].dtype).float()) for n in loaded.weights
+            torch.equal(model_values[n], loaded.weights[n].to(s.params[n].dtype).float())
+            for n in loaded.weights
         ),
         "masters_equal": all(torch.equal(masters[n], loaded.weights[n]) for n in loaded.weights),
         "moments_equal": all(torch.equal(moments[n], loaded.moments[n]) for n in loaded.moments),

@@ -164,7 +164,10 @@ def round_trips(ray_cluster, probes, tiny_models, digits, tmp_path_factory):
         for arch in NEWER_ARCHS
     ]
     done = probes(
-        lambda: {arch: resume_probe(cfg, 2, f"{folder}-checkpoint", f"{folder}.safetensors") for arch, cfg, folder in runs}
+        lambda: {
+            arch: resume_probe(cfg, 2, f"{folder}-checkpoint", f"{folder}.safetensors")
+            for arch, cfg, folder in runs
+        }
     )
     return {arch: (done[arch], f"{folder}-checkpoint", f"{folder}.safetensors") for arch, _, folder in runs}
 
@@ -210,7 +213,17 @@ def test_zero3_two_steps_then_restore_equals_checkpoint_and_resumes_bitwise(arch
 # The families people fine-tune now also go through a real kill: Ray Train restarts the worker group after
 # rank 1 dies, and the new workers resume from step 2's checkpoint. The round trips above are the
 # uninterrupted reference, computed by the same `worker.setup` and `train_step`.
-KILLED_ARCHS = ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "glm4v", "glm4v_moe", "glm46v", "gemma4", "internvl"]
+KILLED_ARCHS = [
+    "qwen3_vl",
+    "qwen3_vl_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "glm4v",
+    "glm4v_moe",
+    "glm46v",
+    "gemma4",
+    "internvl",
+]
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +237,9 @@ def killed_runs(ray_cluster, tiny_models, digits, tmp_path_factory):
     def get(arch: str):
         if arch not in done:
             storage = tmp_path_factory.mktemp(f"killed-{arch}")
-            result = run(four_steps(tiny_models(arch), digits[0], storage, "killed", arch, "fault.kill_at_steps=3"))
+            result = run(
+                four_steps(tiny_models(arch), digits[0], storage, "killed", arch, "fault.kill_at_steps=3")
+            )
             assert result.error is None
             done[arch] = (result, storage)
         return done[arch]
@@ -248,7 +263,9 @@ def test_zero3_run_killed_after_its_checkpoint_resumes_bitwise(arch, round_trips
     # step 3's first row died with the workers, before its report
     assert [(r["step"], r["restarts"]) for r in rows] == [(1, 0), (2, 0), (3, 1), (4, 1)]
     # both attempts trained as the uninterrupted run did, bit for bit
-    assert [r["loss"] for r in rows] == [m["loss"] for m in (*uninterrupted["metrics"], uninterrupted["after"])]
+    assert [r["loss"] for r in rows] == [
+        m["loss"] for m in (*uninterrupted["metrics"], uninterrupted["after"])
+    ]
     final = final_checkpoint(killed)
     assert final.state.step == 4 and final.state.restarts == 1
     assert {f"weight.{n}" for n in final.weights} | {f"moment.{n}" for n in final.moments} == reference.keys()

@@ -116,10 +116,21 @@ def _eval(args) -> int:
     return 0
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"enable_thinking\": false}'")
+    return value
+
+
 def _prepare_data(args) -> int:
     from raylora.prepare import format_report, prepare, verdict
 
-    summary = prepare(args.source, args.out, args.format, args.image_root, args.model)
+    kwargs = args.chat_template_kwargs
+    summary = prepare(args.source, args.out, args.format, args.image_root, args.model, kwargs)
     print(format_report(summary))
     code, why = verdict(summary, args.max_bad_fraction)
     if why:
@@ -237,6 +248,12 @@ def parser() -> argparse.ArgumentParser:
     pd.add_argument("--format", help="the source's format (default: detected, as data.format)")
     pd.add_argument("--image-root", help="folder that relative image paths are resolved against")
     pd.add_argument("--model", help="model folder or Hub id whose processor counts each row's tokens")
+    pd.add_argument(
+        "--chat-template-kwargs",
+        type=_json_object,
+        help="JSON for the model's chat template, as data.chat_template_kwargs "
+        "(e.g. '{\"enable_thinking\": false}')",
+    )
     pd.add_argument(
         "--max-bad-fraction",
         type=_fraction,

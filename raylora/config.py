@@ -113,6 +113,10 @@ class DataConfig:
     max_bad_fraction: float = 0.01
     """Largest fraction of bad rows in the sample of data.train that the driver reads, renders and tokenises
     before Ray starts (the first rows and a seeded random sample); more and the run is refused, naming why."""
+    chat_template_kwargs: dict[str, bool | int | float | str] = field(default_factory=dict)
+    """Keyword arguments for the model's chat template, in training, evaluation and `raylora eval`, as vLLM's
+    `chat_template_kwargs` (Qwen3.5 and Qwen3's reasoning templates: `{enable_thinking: false}` for answers
+    without reasoning; docs/data.md: Labels and stop tokens)."""
     max_length: int | None = None
     """Most tokens per sample (every turn, image tokens, end-of-turn tokens); a longer sample is skipped, not
     cut, and counted in the step's `too_long` metric (docs/gpus-memory.md: Memory). Unset: no limit."""

@@ -53,6 +53,7 @@ def demo(
     from raylora.evaluate import evaluate, load_for_inference
     from raylora.plot import plot
     from raylora.ray_runtime import init_ray
+    from raylora.tiny import TEMPLATE_KWARGS
 
     started = time.perf_counter()
     out = Path(out).absolute()
@@ -69,6 +70,8 @@ def demo(
         f"run.storage_path={out / 'ray'}",
         f"run.name={run_name}",
     ]
+    if arch in TEMPLATE_KWARGS:  # the digits' answers hold no reasoning (docs/data.md: Reasoning templates)
+        settings.append(f"data.chat_template_kwargs={json.dumps(TEMPLATE_KWARGS[arch])}")
     if failure:
         settings.append("fault.kill_at_steps=250")
     cfg = config.load(None, settings + list(overrides or []))

@@ -32,7 +32,7 @@ from raylora.data.batches import (
     video_sampling,
 )
 from raylora.data.formats import BadRow, Rows, open_rows
-from raylora.data.labels import end_of_turn_ids, last_answer
+from raylora.data.labels import end_of_turn_ids, final_answer, last_answer
 from raylora.data.processor import load_processor
 from raylora.loss import answer_token_losses
 
@@ -109,7 +109,12 @@ def load_for_inference(
     model.eval()
     data = state.config.get("data", {})  # the resolution the adapter was trained at
     processor = load_processor(
-        model_path, data.get("max_pixels"), data.get("min_pixels"), trust, video.PixelCaps.of(data)
+        model_path,
+        data.get("max_pixels"),
+        data.get("min_pixels"),
+        trust,
+        video.PixelCaps.of(data),
+        data.get("chat_template_kwargs"),
     )
     # frames sampled as in training (one process: no ranks to keep in step, so no video stand-in)
     sampling = video.Sampling(
@@ -165,7 +170,7 @@ def score(
     new = out[:, prompts["input_ids"].shape[1] :]
     stopped = torch.isin(new, torch.tensor(stops, device=new.device)).any(dim=1).tolist()
     hits = sum(
-        keep and tokenizer.decode(ids, skip_special_tokens=True).strip() == answer.strip()
+        keep and final_answer(tokenizer.decode(ids, skip_special_tokens=True)) == final_answer(answer)
         for answer, ids, keep in zip(answers, new, counted, strict=True)
     )
     return {

@@ -76,8 +76,10 @@ def prepare(
     fmt: str | None = None,
     image_root: str | None = None,
     model: str | None = None,
+    template_kwargs: dict | None = None,
 ) -> dict[str, Any]:
     """Check, decode and rewrite every row of `source` into `out` on Ray Data; returns the summary.
+    `template_kwargs`: for the model's chat template, as data.chat_template_kwargs.
 
     Everything that can be checked without Ray is checked first (the source's format, `out`, the model).
     """
@@ -104,7 +106,14 @@ def prepare(
             check_rows,
             batch_size=ROWS_PER_TASK,
             batch_format="numpy",
-            fn_kwargs={"uri": source, "fmt": fmt, "image_root": image_root, "model": model, "ledger": ledger},
+            fn_kwargs={
+                "uri": source,
+                "fmt": fmt,
+                "image_root": image_root,
+                "model": model,
+                "ledger": ledger,
+                "template_kwargs": json.dumps(template_kwargs or {}),
+            },
         )
         checked.write_parquet(out, row_group_size=ROW_GROUP_ROWS, min_bytes_per_file=BYTES_PER_FILE)
         bad, sizes = ray.get(ledger.collect.remote())
@@ -203,10 +212,10 @@ def _open(uri: str, fmt: str, image_root: str | None):
 
 
 @functools.cache
-def _processor(model: str):
+def _processor(model: str, template_kwargs: str = "{}"):
     from raylora.data.processor import load_processor
 
-    return load_processor(hub.resolve(model))
+    return load_processor(hub.resolve(model), template_kwargs=json.loads(template_kwargs))
 
 
 def _read(entry: bytes | str) -> bytes:
@@ -228,7 +237,13 @@ def _tokens(processor, messages: list[dict], images: list, videos: list | None =
 
 
 def check_rows(
-    batch: dict[str, np.ndarray], uri: str, fmt: str, image_root: str | None, model: str | None, ledger
+    batch: dict[str, np.ndarray],
+    uri: str,
+    fmt: str,
+    image_root: str | None,
+    model: str | None,
+    ledger,
+    template_kwargs: str = "{}",
 ) -> pa.Table:
     """One Ray Data task: the good rows of `batch["id"]` in the training layout; bad rows and every good
     row's sizes go to `ledger`."""
@@ -238,7 +253,7 @@ def check_rows(
     from raylora.data.formats import BadRow, load_image, load_video
 
     rows = _open(uri, fmt, image_root)
-    processor = _processor(model) if model else None
+    processor = _processor(model, template_kwargs) if model else None
     good: list[dict] = []
     bad: list[tuple[int, str]] = []
     sizes: dict[str, list] = {"width": [], "height": [], "images_per_row": [], "tokens": []}

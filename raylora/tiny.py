@@ -38,5 +38,8 @@ BUILDERS = {
     "internvl": _internvl,
     "mistral3": _mistral3,
 }
+# data.chat_template_kwargs that a run of the tiny model needs: the digits' answers hold no reasoning, and
+# Qwen3.5's template is a reasoning one (docs/data.md: Reasoning templates).
+TEMPLATE_KWARGS = {arch: {"enable_thinking": False} for arch in ("qwen3_5", "qwen3_5_moe")}
 # Weights that transformers' initialisation leaves unlike any trained model's, set after `from_config`.
 FIX_WEIGHTS = {"gemma3": _gemma3_weights}

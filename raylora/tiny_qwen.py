@@ -13,6 +13,7 @@ from raylora.tiny_parts import (
 )
 from raylora.tiny_text import (
     QWEN2_VL_CHAT_TEMPLATE,
+    QWEN3_5_CHAT_TEMPLATE,
     QWEN3_VL_CHAT_TEMPLATE,
     build_byte_level_tokenizer,
     build_tokenizer,
@@ -38,6 +39,8 @@ def _qwen_vl(config_cls, processor_cls, vision_config: dict, text: dict | None =
         from transformers import Qwen3VLVideoProcessor
 
         video_processor_cls, template = Qwen3VLVideoProcessor, QWEN3_VL_CHAT_TEMPLATE
+        if config_cls.model_type.startswith("qwen3_5"):  # a reasoning model's template
+            template = QWEN3_5_CHAT_TEMPLATE
     return config, _qwen_vl_processor(processor_cls, video_processor_cls, tokenizer, template)
 
 
@@ -123,7 +126,9 @@ def _qwen3_5(width: int, layers: int, moe: bool = False):
         text |= _moe_text(width) | dict(shared_expert_intermediate_size=width // 2)
     # Qwen3.5 folders load with transformers' Qwen3_5Tokenizer (byte-level BPE) whatever they declare
     config_cls = Qwen3_5MoeConfig if moe else Qwen3_5Config
-    return _qwen_vl(config_cls, Qwen3VLProcessor, vision, text, build_byte_level_tokenizer())
+    tokenizer = build_byte_level_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])  # added tokens, not special ones, as in Qwen3.5's tokenizer
+    return _qwen_vl(config_cls, Qwen3VLProcessor, vision, text, tokenizer)
 
 
 def _qwen3_5_moe(width: int, layers: int):

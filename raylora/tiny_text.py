@@ -39,6 +39,32 @@ QWEN3_VL_CHAT_TEMPLATE = (  # Qwen3-VL Instruct: no default system prompt; image
     "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Qwen3.5 (Qwen/Qwen3.5-*'s chat_template.jinja, without its tools): Qwen3-VL's parts; every assistant turn
+# after the last user turn opens with its reasoning block (`<think>\n...\n</think>\n\n`, empty when the turn
+# has none), the turns before it are their answers alone (reasoning dropped), and the generation prompt
+# opens a reasoning block (`<think>\n`; an empty one with `enable_thinking=False`)
+QWEN3_5_CHAT_TEMPLATE = (
+    "{%- macro render(content) %}{%- if content is string %}{{- content }}{%- else %}"
+    "{%- for c in content %}{%- if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- else %}{{- c['text'] }}{%- endif %}{%- endfor %}{%- endif %}{%- endmacro %}"
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}{%- set content = render(message['content'])|trim %}"
+    "{%- if message['role'] == 'assistant' %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning|trim + '\\n</think>\\n\\n' + content }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}{{- '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}"
+)
 SMOLVLM_CHAT_TEMPLATE = (  # Idefics3 / SmolVLM: "User:<image>...<end_of_utterance>\nAssistant:"
     "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
     "{% if message['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
@@ -212,7 +238,8 @@ def build_byte_level_tokenizer(extra_words: list[str] | tuple[str, ...] = ()):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    backend.train_from_iterator([w for word in words for w in (word, " " + word)], trainer)
+    # and blank lines, one token in Qwen's vocabulary (`ĊĊ`), as Qwen3.5's reasoning block writes them
+    backend.train_from_iterator([w for word in words for w in (word, " " + word)] + ["\n\n"] * 4, trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token="<s>",

@@ -84,7 +84,12 @@ def setup(cfg: Config, restore_from: checkpoint.Ranges | None) -> Setup:
     d = cfg.data
     data = open_rows(d.train, d.format, d.image_root)
     processor = load_processor(
-        model_dir, d.max_pixels, d.min_pixels, cfg.model.trust_remote_code, video.PixelCaps.of(d)
+        model_dir,
+        d.max_pixels,
+        d.min_pixels,
+        cfg.model.trust_remote_code,
+        video.PixelCaps.of(d),
+        d.chat_template_kwargs,
     )
     check_chat_template(processor)  # a template whose turns cannot be labelled fails the start, not a step
     # before any batch: every rank's passes alike

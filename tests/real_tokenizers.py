@@ -89,7 +89,9 @@ def sentencepiece_gemma(
     )
 
 
-def _byte_level(specials: list[str], split: str | None, vocab_size: int = 640) -> Tokenizer:
+def _byte_level(
+    specials: list[str], split: str | None, vocab_size: int = 640, corpus: list[str] = CORPUS
+) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
     tok.pre_tokenizer = (
@@ -105,7 +107,7 @@ def _byte_level(specials: list[str], split: str | None, vocab_size: int = 640) -
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(corpus, trainer)
     return tok
 
 
@@ -125,6 +127,19 @@ def byte_level_qwen() -> PreTrainedTokenizerFast:
     tok.normalizer = normalizers.NFC()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:]})
+    return fast
+
+
+def byte_level_qwen3_5() -> PreTrainedTokenizerFast:
+    """Qwen3.5's: Qwen's byte-level BPE over text with blank lines, so that `\n\n` is one token (`ĊĊ`, as in
+    the real vocabulary), and `<think>` / `</think>` added as tokens that are not special (decoding keeps
+    them)."""
+    corpus = CORPUS + ["It is seven .\n\nIt is nine .\n\nOne\n\ntwo\n"] * 20
+    tok = _byte_level(QWEN_SPECIALS, QWEN_SPLIT, corpus=corpus)
+    tok.normalizer = normalizers.NFC()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": QWEN_SPECIALS[1:]})
+    fast.add_tokens(["<think>", "</think>"])
     return fast
 
 

@@ -21,6 +21,7 @@ def tiny_run_config(
     return config.load(
         None,
         [
+            *template_overrides(model_dir),
             f"model.path={model_dir}",
             f"data.train={train_file}",
             f"run.storage_path={storage}",
@@ -43,6 +44,29 @@ def tiny_run_config(
             *overrides,
         ],
     )
+
+
+def template_overrides(model_dir) -> tuple[str, ...]:
+    """The override a tiny model's runs need for its chat template (`raylora.tiny.TEMPLATE_KWARGS`)."""
+    import json
+
+    from raylora.tiny import TEMPLATE_KWARGS
+
+    config = Path(model_dir) / "config.json"
+    arch = json.loads(config.read_text()).get("model_type") if config.is_file() else None
+    kwargs = TEMPLATE_KWARGS.get(arch)
+    return (f"data.chat_template_kwargs={json.dumps(kwargs)}",) if kwargs else ()
+
+
+def tiny_processor(model_dir, **options):
+    """`load_processor` of a tiny model's folder, with the chat template arguments its runs take."""
+    import json
+
+    from raylora.data.processor import load_processor
+    from raylora.tiny import TEMPLATE_KWARGS
+
+    arch = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
+    return load_processor(model_dir, template_kwargs=TEMPLATE_KWARGS.get(arch), **options)
 
 
 def straight_and_killed(model_dir, data, storage, kill_at: int, *overrides: str) -> tuple[Any, Any]:

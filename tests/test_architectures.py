@@ -20,11 +20,10 @@ from raylora.arch import REGISTRY, Architecture, detect, lora_targets
 from raylora.assets import TINY_ARCHS
 from raylora.data.batches import make_batch
 from raylora.data.labels import IGNORE_INDEX
-from raylora.data.processor import load_processor
 from tests import whole_checkpoint
 from tests.probes import resume_probe
-from tests.support import tiny_run_config
-from tests.test_batches import ANSWERS, END_OF_TURN, SAMPLES, unspaced
+from tests.support import tiny_processor, tiny_run_config
+from tests.test_batches import ANSWERS, SAMPLES, trained_turns, unspaced
 
 PARTS = ("language_model", "vision_tower", "aligner")
 # llava and qwen2_vl go through tests/test_resume.py
@@ -87,15 +86,14 @@ def test_batch_feeds_forward_and_every_part_learns(arch, tiny_models):
     a multi-turn sample, one with two images of different sizes and a text-only one, side by side."""
     folder = tiny_models(arch)
     entry = detect(folder)
-    processor = load_processor(folder)
+    processor = tiny_processor(folder)
     model = AutoModelForImageTextToText.from_pretrained(folder)
     examples = SAMPLES
     batch = make_batch(processor, examples)
     labels = batch.pop("labels")
     tok = processor.tokenizer
     for row, answers in zip(labels, ANSWERS, strict=True):
-        expected = " ".join(f"{a} {END_OF_TURN[arch]}" for a in answers)
-        assert unspaced(tok.decode(row[row != IGNORE_INDEX])) == unspaced(expected)
+        assert unspaced(tok.decode(row[row != IGNORE_INDEX])) == "".join(trained_turns(arch, answers))
     model.train()
     logits = model(**batch).logits
     assert logits.shape[:2] == labels.shape

@@ -22,7 +22,7 @@ from raylora.data.processor import load_processor
 from raylora.data.sampler import GlobalSampler
 from tests import whole_checkpoint
 from tests.run_logs import labelled_runs
-from tests.support import straight_and_killed, tiny_run_config
+from tests.support import straight_and_killed, tiny_processor, tiny_run_config
 
 # How each tiny model's chat template ends an assistant turn (raylora/tiny_text.py), written out here so
 # that the labels are checked against the templates, not against the code under test.
@@ -83,9 +83,14 @@ SAMPLES = [MULTI_TURN, TWO_IMAGES, TEXT_ONLY]
 ANSWERS = [["seven", "three , a"], ["one"], ["nine"]]
 
 
+def trained_turns(arch: str, answers: list[str]) -> list[str]:
+    """What each assistant turn trains on, `unspaced`: its answer and end-of-turn token."""
+    return [unspaced(f"{a} {END_OF_TURN[arch]}") for a in answers]
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_labels_cover_exactly_every_assistant_turn(arch, tiny_models):
-    processor = load_processor(tiny_models(arch))
+    processor = tiny_processor(tiny_models(arch))
     tok = processor.tokenizer
     batch = make_batch(processor, SAMPLES)
     assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
@@ -93,7 +98,7 @@ def test_labels_cover_exactly_every_assistant_turn(arch, tiny_models):
         runs = labelled_runs(row)
         # each assistant turn's text and its end-of-turn token, and nothing else (decoded back to text)
         decoded = [unspaced(tok.decode(ids[a:b])) for a, b in runs]
-        assert decoded == [unspaced(f"{t} {END_OF_TURN[arch]}") for t in answers]
+        assert decoded == trained_turns(arch, answers)
         assert torch.equal(row[row != IGNORE_INDEX], ids[row != IGNORE_INDEX])
     # generation: the prompt is each sample up to its last assistant turn, exactly as training tokenised it
     prompts = make_batch(processor, SAMPLES, with_answers=False)
@@ -109,7 +114,7 @@ def test_labels_cover_exactly_every_assistant_turn(arch, tiny_models):
 
 @pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
 def test_every_image_of_a_sample_is_in_the_batch(arch, tiny_models):
-    processor = load_processor(tiny_models(arch))
+    processor = tiny_processor(tiny_models(arch))
     one = make_batch(processor, [MULTI_TURN])
     two = make_batch(processor, [TWO_IMAGES])
 

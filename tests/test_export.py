@@ -29,10 +29,10 @@ from raylora.config import ConfigError
 from raylora.data.batches import make_batch, read
 from raylora.data.formats import open_rows
 from raylora.data.labels import end_of_turn_ids
-from raylora.data.processor import load_processor
 from raylora.evaluate import load_for_inference
 from raylora.model import build_model, set_trainable, shapes, trainable_parameters
 from tests import whole_checkpoint
+from tests.support import template_overrides, tiny_processor
 
 
 def make_checkpoint(folder: Path, model_dir: str, train_file, *overrides: str) -> Path:
@@ -49,6 +49,7 @@ def make_checkpoint(folder: Path, model_dir: str, train_file, *overrides: str) -
             "scaling.num_workers=1",
             "train.global_batch_size=4",
             "train.micro_batch_size=4",
+            *template_overrides(model_dir),
             *overrides,
         ],
     )
@@ -115,7 +116,7 @@ def test_merged_export_equals_base_plus_adapter(trained, batch_examples, tmp_pat
     merged = AutoModelForImageTextToText.from_pretrained(out).eval()
     assert not any(".lora_" in n for n in merged.state_dict())
     # generation stops where training labelled the stop (not only at the base config's EOS)
-    stop = end_of_turn_ids(load_processor(out))
+    stop = end_of_turn_ids(tiny_processor(out))
     eos = merged.generation_config.eos_token_id
     assert set(stop) <= set(eos if isinstance(eos, list) else [eos])
     trained_modules = load_file(ckpt / checkpoint.TRAINED_MODULES)
@@ -126,7 +127,7 @@ def test_merged_export_equals_base_plus_adapter(trained, batch_examples, tmp_pat
 
     reference, processor = load_for_inference(ckpt)  # PeftModel + trained modules
     expected = _logits(reference, processor, batch_examples)
-    got = _logits(merged, load_processor(out), batch_examples)  # the processor saved beside it
+    got = _logits(merged, tiny_processor(out), batch_examples)  # the processor saved beside it
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
     base = AutoModelForImageTextToText.from_pretrained(model_dir).eval()
     assert (_logits(base, processor, batch_examples) - expected).abs().max() > 1e-3, (

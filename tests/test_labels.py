@@ -12,9 +12,15 @@ import torch
 from PIL import Image
 
 from raylora.data.batches import make_batch
-from raylora.data.labels import encode, end_of_turn_ids
+from raylora.data.labels import encode, end_of_turn_ids, final_answer
 from raylora.data.processor import load_processor
-from raylora.tiny_text import GEMMA3_TOKENS, GEMMA4_TOKENS, GEMMA4_TURN_TOKENS, IDEFICS3_TOKENS
+from raylora.tiny_text import (
+    GEMMA3_TOKENS,
+    GEMMA4_TOKENS,
+    GEMMA4_TURN_TOKENS,
+    IDEFICS3_TOKENS,
+    QWEN3_5_CHAT_TEMPLATE,
+)
 from tests import real_tokenizers as rt
 from tests.run_logs import labelled_runs
 
@@ -63,16 +69,20 @@ SAMPLES = [
 ]
 
 
-def hub_like_processor(tiny_folder: str, arch: str, out: Path):
+# reasoning templates: answers without reasoning need data.chat_template_kwargs (tested on their own below)
+REASONING = {"qwen3_5": (rt.byte_level_qwen3_5, QWEN3_5_CHAT_TEMPLATE, "<|im_end|>", False)}
+
+
+def hub_like_processor(tiny_folder: str, arch: str, out: Path, **template_kwargs):
     """The tiny model's processor with a real family's tokenizer and template, saved and loaded again."""
-    make_tokenizer, template, _, _ = FAMILIES[arch]
+    make_tokenizer, template, _, _ = (FAMILIES | REASONING)[arch]
     shutil.rmtree(out, ignore_errors=True)
     load_processor(tiny_folder).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.json"):
         (out / name).unlink(missing_ok=True)
     make_tokenizer().save_pretrained(out)
     (out / "chat_template.jinja").write_text(template)
-    return load_processor(out)
+    return load_processor(out, template_kwargs=template_kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -129,3 +139,37 @@ def test_generation_prompt_is_the_training_prefix(arch, processors):
     ):
         last = labelled_runs(labels.tolist())[-1][0]
         assert torch.equal(ids[mask.bool()], train_ids[:last])
+
+
+def test_qwen3_5_reasoning_template_trains_each_turn_as_the_conversation_shows_it(tiny_models, tmp_path):
+    """Qwen3.5's template writes the turn after the last user turn with its reasoning block and the turns
+    before it without theirs, and its generation prompt opens a block (`<think>\n`). Its tokenizer makes
+    `\n\n` one token, so an answer without reasoning would train `<think>`, `\n\n` where inference
+    continues from `<think>`, `\n`: refused, naming data.chat_template_kwargs. With `enable_thinking: false`
+    every turn trains its answer and `<|im_end|>` after an empty block in the prompt; a row with reasoning
+    trains it with the default."""
+    thinking = hub_like_processor(tiny_models("qwen3_5"), "qwen3_5", tmp_path / "thinking")
+    plain = hub_like_processor(tiny_models("qwen3_5"), "qwen3_5", tmp_path / "plain", enable_thinking=False)
+    tok = plain.tokenizer
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
+    assert len(tok("\n\n", add_special_tokens=False)["input_ids"]) == 1
+    messages, images = SAMPLES[0]
+    with pytest.raises(ValueError, match="enable_thinking: false"):
+        encode(thinking, (messages, images))
+
+    row = encode(plain, (messages, images))
+    ids, runs = row.tokens["input_ids"], labelled_runs(row.labels)
+    assert [tok.decode(ids[a:b]) for a, b in runs] == [f"{a}<|im_end|>" for a in ANSWERS]
+    assert all(ids[b - 1] == stop for _, b in runs)
+    text = tok.decode(ids)
+    assert text.count("<think>\n\n</think>\n\n") == 1 and "<think>" not in tok.decode(ids[runs[0][0] :][:2])
+    prompt = encode(plain, (messages, images), with_answers=False).tokens["input_ids"]
+    assert prompt == ids[: runs[-1][0]] and tok.decode(prompt).endswith("<think>\n\n</think>\n\n")
+
+    reasoned = [*messages[:3], _turn("assistant", "<think>\nIt is a loop .\n</think>\n\nthree , a nine")]
+    row = encode(thinking, (reasoned, images))
+    ids, runs = row.tokens["input_ids"], labelled_runs(row.labels)
+    # the first turn as the conversation shows it; the last after the generation prompt's `<think>\n`
+    trained = [tok.decode(ids[a:b]) for a, b in runs]
+    assert trained == ["seven<|im_end|>", "It is a loop .\n</think>\n\nthree , a nine<|im_end|>"]
+    assert final_answer(trained[1].removesuffix("<|im_end|>")) == "three , a nine"

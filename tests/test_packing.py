@@ -32,6 +32,7 @@ from raylora.data.batches import (
 from raylora.data.labels import IGNORE_INDEX, encode
 from raylora.data.sampler import LENGTH_GROUP_STEPS, GlobalSampler
 from raylora.loss import answer_token_losses
+from raylora.tiny import TEMPLATE_KWARGS
 from tests import whole_checkpoint
 from tests.support import straight_and_killed, tiny_run_config
 from tests.test_batches import MULTI_TURN, SAMPLES, TEXT_ONLY, TWO_IMAGES, _write_chat_jsonl
@@ -51,6 +52,7 @@ def test_pack_fills_each_pass_up_to_the_budget_longest_first():
 
 def _model(arch: str):
     model, processor = build_tiny_model(arch, width=64, layers=2, seed=0)
+    processor.chat_template_kwargs = TEMPLATE_KWARGS.get(arch, {})  # as load_processor hands a run's
     model.eval()  # no dropout: its noise depends on the tensors' shapes
     # as raylora.model builds it: a cache in the forward would hide the packed samples' boundaries
     model.config.use_cache = model.config.get_text_config().use_cache = False

@@ -304,3 +304,18 @@ def test_a_step_with_every_sample_skipped_ends_the_run_once(ray_cluster, tiny_mo
     assert json.loads((run_dir / ATTEMPTS_FILE).read_text())["attempts"] == 1, "retried"
     assert read_metrics(str(tmp_path / "runs"), "preflight") == []
     assert not list(run_dir.glob("checkpoint_*"))
+
+
+def test_a_reasoning_template_with_answers_without_reasoning_is_refused_naming_the_setting(
+    tiny_models, digits, tmp_path
+):
+    """Qwen3.5's generation prompt opens a reasoning block (`<think>\n`) and its vocabulary has `\n\n` as one
+    token: an answer without reasoning would train a token inference never continues from. The preflight
+    refuses the run (its check of the template), naming data.chat_template_kwargs; with
+    `{enable_thinking: false}` it starts."""
+    model = tiny_models("qwen3_5")
+    with pytest.raises(
+        ConfigError, match=r"chat template .* set data.chat_template_kwargs: {enable_thinking: false}"
+    ):
+        preflight(_cfg(model, digits[0], tmp_path, "data.chat_template_kwargs={}"))
+    preflight(_cfg(model, digits[0], tmp_path, "data.chat_template_kwargs={enable_thinking: false}"))

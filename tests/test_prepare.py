@@ -210,3 +210,32 @@ def test_exit_codes_say_when_too_many_or_all_rows_are_bad(llava_source, prepared
     bad = [json.loads(line) for line in (out / "bad_rows.jsonl").read_text().splitlines()]
     assert [b["row"] for b in bad] == list(range(ROWS)) and all(b["reason"] for b in bad)
     assert "nowhere.png" in bad[0]["reason"], bad[0]
+
+
+def test_a_reasoning_template_counts_tokens_with_the_template_arguments_given(
+    llava_source, tiny_models, monkeypatch
+):
+    """prepare-data's task with Qwen3.5's tokenizer and template (run without Ray Data: its ledger is a
+    stand-in): answers without reasoning are bad rows that name data.chat_template_kwargs, and with
+    `--chat-template-kwargs '{"enable_thinking": false}'` the same rows count their tokens."""
+    from types import SimpleNamespace
+
+    from raylora import prepare
+    from raylora.cli import parser
+
+    recorded = {}
+    ledger = SimpleNamespace(
+        add=SimpleNamespace(remote=lambda first, bad, sizes: recorded.update(bad=bad, **sizes))
+    )
+    monkeypatch.setattr(prepare.ray, "get", lambda value: value)
+    source, folder, _ = llava_source
+    model, ids = tiny_models("qwen3_5"), {"id": np.arange(3)}
+    prepare.check_rows(ids, str(source), "llava", str(folder), model, ledger)
+    assert [i for i, _ in recorded["bad"]] == [0, 1, 2]
+    assert all("enable_thinking: false" in why for _, why in recorded["bad"])
+    args = parser().parse_args(
+        ["prepare-data", "src", "--out", "o", "--chat-template-kwargs", '{"enable_thinking": false}']
+    )
+    kwargs = json.dumps(args.chat_template_kwargs)
+    prepare.check_rows(ids, str(source), "llava", str(folder), model, ledger, kwargs)
+    assert recorded["bad"] == [] and all(n > 0 for n in recorded["tokens"].tolist())

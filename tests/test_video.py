@@ -39,7 +39,7 @@ from raylora.data.formats import BadRow, load_video, open_rows
 from raylora.data.labels import IGNORE_INDEX, encode
 from raylora.data.processor import load_processor
 from tests.run_logs import labelled_runs
-from tests.support import tiny_run_config
+from tests.support import tiny_processor, tiny_run_config
 from tests.test_packing import TOLERANCE, _loss_and_grads, _model, _relative
 from tests.test_peer_formats import DATASET_INFO
 
@@ -184,7 +184,7 @@ def _answers(processor, row) -> list[str]:
 def test_llamafactory_video_demo_trains_on_the_answers_only(arch, clips, tiny_models):
     """LLaMA-Factory's mllm_video_demo through its dataset_info.json entry: each clip (mp4, avi) decoded,
     its video tokens in the prompt and unlabelled, the answer and its end of turn labelled."""
-    processor = load_processor(tiny_models(arch))
+    processor = tiny_processor(tiny_models(arch))
     rows = open_rows(f"{clips / 'dataset_info.json'}#mllm_video_demo")
     assert len(rows) == 3
     for i in range(3):
@@ -496,7 +496,7 @@ def test_every_pass_runs_an_image_and_a_video_whatever_its_rows(arch, clips, tin
     """Qwen-VL runs its vision tower once for a batch's images and once more for its videos: under ZeRO-3
     every rank's pass must run both, whatever mix of image, video and text rows it holds (the stand-in
     image row and, in a run with video rows, the stand-in video row)."""
-    processor = load_processor(tiny_models(arch))
+    processor = tiny_processor(tiny_models(arch))
     rows = open_rows(str(clips / "mllm_video_demo.json"))
     clip = read(rows, 0)
     image = ([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]},

@@ -27,6 +27,12 @@ def last_answer(messages: list[dict]) -> str:
     return "".join(part.get("text", "") for part in turn["content"])
 
 
+def final_answer(text: str) -> str:
+    """`text` after its reasoning block, stripped: what a reasoning model's answer says once its template
+    opened `<think>` (Qwen3.5's generation prompt does, so generation starts inside the block)."""
+    return text.rsplit("</think>", 1)[-1].strip()
+
+
 def _image_parts(messages: list[dict], kind: str = "image") -> int:
     return sum(part["type"] == kind for turn in messages for part in turn["content"])
 
@@ -54,7 +60,12 @@ def _render(processor, messages: list[dict], generation_prompt: bool) -> str:
     tag = getattr(processor, "numbered_image_tag", None)  # set by raylora.remote_compat's bridges
     if tag:
         messages = numbered_image_text(messages, tag)
-    return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    return processor.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
+        **getattr(processor, "chat_template_kwargs", {}),
+    )
 
 
 @dataclass(frozen=True)
@@ -93,12 +104,47 @@ def _answer_spans(processor, messages: list[dict], generation_prompt: bool) -> t
         through = _render(processor, messages[: k + 1], generation_prompt=False)
         _continues(through, prompt, k)
         answer = through[len(prompt) :].rstrip()
-        _continues(whole, prompt + answer, k + 1)
         # closed: the template wrote something after the answer's text (<|im_end|>, </s>, ...)
         text = "".join(part.get("text", "") for part in message["content"]).strip()
         closed = not answer.endswith(text) if text else bool(answer.strip())
-        spans.append(_Span(len(prompt), len(prompt) + len(answer), closed))
+        if whole.startswith(prompt + answer):
+            spans.append(_Span(len(prompt), len(prompt) + len(answer), closed))
+            continue
+        # A reasoning model's template (Qwen3.5, Qwen3's thinking ones) writes an assistant turn one way while
+        # it is the last and another once a user turn follows (its reasoning dropped): the turn trains as the
+        # conversation shows it, its text and the template's end of turn.
+        close = answer[answer.rfind(text) + len(text) :] if text and text in answer else None
+        span = _history_span(processor, messages, k, whole, generation_prompt, close)
+        if span is None:
+            _continues(whole, prompt + answer, k + 1)  # raises, naming the turns
+        spans.append(span)
     return whole, spans
+
+
+_MARK = "RAYLORATURNMARK"  # stands in for an answer's text, to find where the template puts it
+
+
+def _history_span(processor, messages, k: int, whole: str, generation_prompt: bool, close: str | None):
+    """The span of assistant turn `k` in `whole`, found by rendering the conversation again with that
+    turn's text replaced by a mark: the text around the mark is the same in both renderings. None where
+    that does not hold, or the turn holds more than text."""
+    if close is None or any(part["type"] != "text" for part in messages[k]["content"]):
+        return None
+    marked = [
+        *messages[:k],
+        {**messages[k], "content": [{"type": "text", "text": _MARK}]},
+        *messages[k + 1 :],
+    ]
+    text = _render(processor, marked, generation_prompt)
+    if text.count(_MARK) != 1:
+        return None
+    before, after = text.split(_MARK)
+    end = len(whole) - len(after)
+    if not (whole.startswith(before) and whole.endswith(after) and end > len(before)):
+        return None
+    if not after.startswith(close):
+        return None
+    return _Span(len(before), end + len(close), bool(close))
 
 
 @dataclass
@@ -133,6 +179,15 @@ def _labelled_tokens(tokenizer, text: str, spans: list[_Span], special: bool):
             inside = [max((j for j, (a, b) in enumerate(offsets) if b > a and b <= span.start), default=0)]
             stops.append(inside[0])
             continue
+        first = offsets[inside[0]]
+        if first[0] < span.start:
+            # inference tokenises the prompt alone: that token is never what generation continues from
+            raise ValueError(
+                f"the generation prompt ends inside a token ({text[first[0] : first[1]]!r}) that runs into "
+                f"the answer, so the trained tokens are not those inference continues into; with a reasoning "
+                f"template (Qwen3.5, Qwen3) and answers without reasoning, set "
+                f"data.chat_template_kwargs: {{enable_thinking: false}}"
+            )
         for j in inside:
             labelled[j] = True
         # Where the template ends the turn with a token of its own (<|im_end|>, <end_of_turn>, </s>), that

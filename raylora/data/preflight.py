@@ -50,6 +50,7 @@ def checked_processor(cfg: Config, model_dir: Path):
             cfg.data.min_pixels,
             cfg.model.trust_remote_code,
             video.PixelCaps.of(cfg.data),
+            cfg.data.chat_template_kwargs,
         )
     except ConfigError:
         raise

@@ -90,14 +90,17 @@ def load_processor(
     min_pixels: int | None = None,
     trust_remote_code: bool = False,
     video_caps: PixelCaps | None = None,
+    template_kwargs: dict | None = None,
 ):
     """The model folder's processor, with images capped at `max_pixels` / `min_pixels` (data.max_pixels,
     data.min_pixels) where the architecture's image processor has a resolution knob (`cap_image_size`),
     and videos at `video_caps` (data.video_*_pixels, `cap_video_size`).
-    `trust_remote_code` (model.trust_remote_code): a processor the folder's own code defines (`auto_map`)."""
+    `trust_remote_code` (model.trust_remote_code): a processor the folder's own code defines (`auto_map`).
+    `template_kwargs` (data.chat_template_kwargs): what every rendering hands the chat template."""
     processor = _from_pretrained(model_path, trust_remote_code)
     cap_image_size(processor.image_processor, max_pixels, min_pixels)
     cap_video_size(processor, video_caps or PixelCaps())
+    processor.chat_template_kwargs = dict(template_kwargs or {})  # read by raylora.data.labels
     return processor
 
 

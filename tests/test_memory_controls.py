@@ -24,7 +24,7 @@ from raylora.data.processor import load_processor
 from raylora.driver import preflight
 from raylora.loss import answer_positions, answer_token_losses, predicts_answer
 from raylora.model import add_lora, base_name, prepare_for_training, set_trainable
-from tests.support import tiny_run_config
+from tests.support import tiny_processor, tiny_run_config
 
 LONG_PROMPT = " ".join([PROMPT] * 4)
 
@@ -42,7 +42,7 @@ def _examples(digits, n: int = 3) -> list:
 def test_answer_only_loss_equals_full_logits_loss(arch, tiny_models, digits):
     folder = tiny_models(arch)
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32)
-    processor = load_processor(folder)
+    processor = tiny_processor(folder)
     batch = make_batch(processor, _examples(digits))
     labels = batch.pop("labels")
     lm_head_rows = []
@@ -135,7 +135,7 @@ def _one_step(folder: str, examples: list, on: bool) -> tuple[float, dict, dict]
         first_linear.register_forward_hook(count)
     if on:
         assert getattr(base, "_require_grads_hooks", None), "PEFT did not enable the input embeddings' grads"
-    batch = make_batch(load_processor(folder), examples)
+    batch = make_batch(tiny_processor(folder), examples)
     labels = batch.pop("labels")
     torch.manual_seed(0)
     loss = answer_token_losses(model, batch, labels)[0].sum()

@@ -6,6 +6,7 @@ The rest of what the tests share is in modules named for their concern: `ray_env
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -46,27 +47,26 @@ def tiny_run_config(
     )
 
 
-def template_overrides(model_dir) -> tuple[str, ...]:
-    """The override a tiny model's runs need for its chat template (`raylora.tiny.TEMPLATE_KWARGS`)."""
-    import json
-
+def _template_kwargs(model_dir) -> dict | None:
+    """The chat template arguments a tiny model's runs take (`raylora.tiny.TEMPLATE_KWARGS`), by the
+    folder's model type; None for a folder without a config.json or an architecture that takes none."""
     from raylora.tiny import TEMPLATE_KWARGS
 
     config = Path(model_dir) / "config.json"
-    arch = json.loads(config.read_text()).get("model_type") if config.is_file() else None
-    kwargs = TEMPLATE_KWARGS.get(arch)
+    return TEMPLATE_KWARGS.get(json.loads(config.read_text()).get("model_type")) if config.is_file() else None
+
+
+def template_overrides(model_dir) -> tuple[str, ...]:
+    """The override a tiny model's runs need for its chat template."""
+    kwargs = _template_kwargs(model_dir)
     return (f"data.chat_template_kwargs={json.dumps(kwargs)}",) if kwargs else ()
 
 
 def tiny_processor(model_dir, **options):
     """`load_processor` of a tiny model's folder, with the chat template arguments its runs take."""
-    import json
-
     from raylora.data.processor import load_processor
-    from raylora.tiny import TEMPLATE_KWARGS
 
-    arch = json.loads((Path(model_dir) / "config.json").read_text())["model_type"]
-    return load_processor(model_dir, template_kwargs=TEMPLATE_KWARGS.get(arch), **options)
+    return load_processor(model_dir, template_kwargs=_template_kwargs(model_dir), **options)
 
 
 def straight_and_killed(model_dir, data, storage, kill_at: int, *overrides: str) -> tuple[Any, Any]:
